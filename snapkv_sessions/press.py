@@ -1,0 +1,135 @@
+"""SnapKV selection: which cache positions each layer and KV head keeps.
+
+Device-agnostic torch. The scoring follows SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You are Looking
+for Before Generation", arXiv:2404.14469): average the observation window's attention over its queries, pool
+it along the positions so that neighbours of a hot token come along, reduce the query heads of a GQA group to
+their KV head, then keep the top-k history positions per KV head plus the observation window itself. The
+per-layer budgets optionally follow PyramidKV (Cai et al., 2024, arXiv:2406.02069).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import CompressionConfig
+from .errors import BudgetError
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """1-D pooling along positions, same length out ("same" padding).
+
+    Parameters
+    ----------
+    scores : (B, H, P)
+
+    Returns
+    -------
+    (B, H, P). Average pooling counts the padding as zeros (``count_include_pad``), as SnapKV does.
+    """
+    if kernel == 1:
+        return scores
+    bsz, heads, length = scores.shape
+    flat = scores.reshape(bsz * heads, 1, length)  # (B*H, 1, P)
+    if pooling == "max":
+        pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return pooled.view(bsz, heads, length)  # (B, H, P)
+
+
+@dataclass
+class SnapKV:
+    """SnapKV scorer for one layer.
+
+    Parameters
+    ----------
+    window: observation window W (its own positions are kept outright, never scored)
+    kernel: pooling kernel (odd; 1 = none)
+    pooling: ``"avg"`` or ``"max"``
+    head_reduce: ``"mean"`` or ``"max"`` over the query heads of a KV head's group
+    """
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "avg"
+    head_reduce: str = "mean"
+
+    @classmethod
+    def from_config(cls, cfg: CompressionConfig) -> SnapKV:
+        return cls(window=cfg.window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
+
+    def score(self, window_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """Importance of every history position (all but the last W) for each KV head.
+
+        Parameters
+        ----------
+        window_probs : (B, Hq, T) window-mean attention probabilities over the layer's cache
+
+        Returns
+        -------
+        (B, Hkv, T - W)
+        """
+        bsz, n_q, t_len = window_probs.shape
+        hist = window_probs[..., : t_len - self.window]  # (B, Hq, P)
+        pooled = pool_scores(hist, self.kernel, self.pooling)  # (B, Hq, P)
+        grouped = pooled.view(bsz, num_kv_heads, n_q // num_kv_heads, -1)  # (B, Hkv, G, P)
+        if self.head_reduce == "max":
+            return grouped.amax(dim=2)  # (B, Hkv, P)
+        return grouped.mean(dim=2)  # (B, Hkv, P)
+
+
+def select_positions(
+    scores: torch.Tensor, keep: int, window: int, pinned: torch.Tensor | None, grow: bool, layer: int
+) -> torch.Tensor:
+    """Cache slots to keep: top-``keep`` history slots per KV head, pins forced in, plus the window.
+
+    Parameters
+    ----------
+    scores : (B, Hkv, P) history scores (P = T - W)
+    keep : history slots to keep per KV head (the budget minus the window)
+    pinned : (B, Hkv, P) bool, history slots that must be kept, or None
+    grow : keep every pin even past ``keep`` (else raise :class:`BudgetError`)
+
+    Returns
+    -------
+    (B, Hkv, K') long, sorted slot indices into the layer's cache, K' = max(keep, pins) + W.
+    """
+    bsz, n_kv, hist = scores.shape
+    if pinned is not None:
+        n_pinned = int(pinned.sum(dim=-1).max())
+        if n_pinned > keep:
+            if not grow:
+                raise BudgetError(
+                    f"layers[{layer}].history_budget",
+                    keep,
+                    f"{n_pinned} pinned positions do not fit; raise the budget or set pin_overflow='grow'",
+                )
+            keep = n_pinned
+        scores = scores.masked_fill(pinned, float("inf"))  # (B, Hkv, P)
+    top = scores.topk(keep, dim=-1).indices  # (B, Hkv, keep)
+    recent = torch.arange(hist, hist + window, device=scores.device).expand(bsz, n_kv, window)  # (B, Hkv, W)
+    return torch.cat([top, recent], dim=-1).sort(dim=-1).values  # (B, Hkv, keep + W)
+
+
+def layer_budgets(cfg: CompressionConfig, num_layers: int, context_tokens: int) -> list[int]:
+    """Tokens each layer keeps (window included) for a context of ``context_tokens`` true positions.
+
+    ``uniform`` gives every layer the budget. ``pyramid`` (PyramidKV) spreads the same total history budget
+    linearly from ``2*b - b/beta`` at layer 0 down to ``b/beta`` at the top, b being the history budget
+    (budget - window); rounding is corrected so the total is exact.
+    """
+    budget = cfg.budget_for(context_tokens)
+    if cfg.strategy == "uniform" or num_layers == 1:
+        return [budget] * num_layers
+    hist = budget - cfg.window
+    low = hist / cfg.pyramid_beta
+    high = 2 * hist - low
+    raw = torch.linspace(high, low, num_layers, dtype=torch.float64)  # (L,)
+    sizes = raw.floor().long()
+    short = hist * num_layers - int(sizes.sum())
+    order = torch.argsort(raw - sizes, descending=True)  # largest remainders first
+    sizes[order[:short]] += 1
+    return [max(1, int(s)) + cfg.window for s in sizes]

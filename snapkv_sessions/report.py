@@ -1,0 +1,56 @@
+"""CompressionReport: what one compression did, for logs, the store and the audit."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class CompressionReport:
+    """The record of one compression of a session's cache.
+
+    Attributes
+    ----------
+    context_tokens: true positions seen so far (the uncompressed context length)
+    window: observation window actually used (W, or fewer on a turn shorter than W)
+    budgets: per layer, the tokens it may keep (window included)
+    tokens_before, tokens_after: per layer, cache slots before and after
+    kept: per layer, per KV head, slots kept
+    kept_new: per layer, per KV head, of the kept slots those that this turn added (the rest are older history)
+    pinned_total: pinned positions in the context
+    pinned_kept: pinned positions present in the layer and head that kept the fewest (== pinned_total always)
+    score_ms: the window scores, computed during the prefill
+    select_ms: pooling, head reduction and top-k, all layers
+    gather_ms: building the compressed key/value tensors, all layers
+    kv_bytes_before, kv_bytes_after: key+value bytes resident in the cache
+    """
+
+    context_tokens: int
+    window: int
+    budgets: list[int]
+    tokens_before: list[int]
+    tokens_after: list[int]
+    kept: list[list[int]] = field(default_factory=list)
+    kept_new: list[list[int]] = field(default_factory=list)
+    pinned_total: int = 0
+    pinned_kept: int = 0
+    score_ms: float = 0.0
+    select_ms: float = 0.0
+    gather_ms: float = 0.0
+    kv_bytes_before: int = 0
+    kv_bytes_after: int = 0
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any layer was actually compressed (a cache that fits is left alone)."""
+        return self.tokens_after != self.tokens_before
+
+    @property
+    def total_ms(self) -> float:
+        return self.score_ms + self.select_ms + self.gather_ms
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["compressed"] = self.compressed
+        out["total_ms"] = self.total_ms
+        return out

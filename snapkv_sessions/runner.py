@@ -1,0 +1,303 @@
+"""ModelRunner: prefill onto a compressed cache, compress with SnapKV, decode, with true positions.
+
+One conversation per :class:`~snapkv_sessions.state.KVState`, batch size 1. The runner owns no conversation
+state itself, so one loaded model serves many states.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import attention
+from .attention import WindowProbe
+from .config import CompressionConfig
+from .errors import ConfigError, UnsupportedModelError
+from .generation import GenerationConfig, Sampler
+from .press import SnapKV, layer_budgets, select_positions
+from .report import CompressionReport
+from .state import KVState
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``model`` is a decoder-only model with rotary positions."""
+    cfg = model.config
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"model={kind!r}: encoder-decoder models are not supported")
+    if not any(type(m).__name__.endswith("RotaryEmbedding") for m in model.modules()):
+        raise UnsupportedModelError(
+            f"model={kind!r}: no rotary position embedding found; snapkv-sessions keeps each token's true "
+            "position through RoPE and supports rotary decoder-only models (Llama, Qwen2, Mistral families)"
+        )
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModelError(
+            f"model={kind!r}: layer_types={sorted(set(layer_types))}; only full-attention layers are supported"
+        )
+    if not all(hasattr(m, "layer_idx") for m in _attention_modules(model)):
+        raise UnsupportedModelError(f"model={kind!r}: attention modules carry no layer_idx")
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+
+
+@dataclass
+class TurnResult:
+    """What :meth:`ModelRunner.turn` did."""
+
+    tokens: list[int]
+    stop_reason: str  # "eos", "stop", or "length"
+    report: CompressionReport | None
+    prefill_ms: float
+    decode_ms: float
+    prompt_tokens: int
+
+
+class ModelRunner:
+    """Drives a Hugging Face causal LM over compressed, growing caches.
+
+    Parameters
+    ----------
+    model:
+        A rotary decoder-only ``PreTrainedModel``. The runner switches it to the ``"snapkv"`` attention
+        function (registered through ``transformers.AttentionInterface``); :meth:`detach` switches it back.
+    tokenizer:
+        Optional; needed only for stop strings and text helpers.
+    prefill_chunk:
+        Prefill long inputs in chunks of this many tokens (exact: the causal mask is built per chunk), which
+        bounds the activation memory.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, prefill_chunk: int = 4096) -> None:
+        check_supported(model)
+        if prefill_chunk < 1:
+            raise ConfigError("prefill_chunk", prefill_chunk, "must be >= 1")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.prefill_chunk = prefill_chunk
+        self._original_attn = model.config._attn_implementation
+        model.set_attn_implementation(attention.register())
+        cfg = model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        gen = getattr(model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        eos = eos if eos is not None else cfg.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
+            (eos,) if eos is not None else ()
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def detach(self) -> None:
+        """Give the model back its original attention implementation."""
+        self.model.set_attn_implementation(self._original_attn)
+
+    def new_state(self) -> KVState:
+        from transformers import DynamicCache
+
+        return KVState(cache=DynamicCache(config=self.model.config))
+
+    # ---------------------------------------------------------------- prefill / decode
+
+    def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None) -> torch.Tensor:
+        start = state.next_position
+        input_ids = torch.tensor([ids], device=self.device)  # (1, n)
+        position_ids = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n) true positions
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cache=state.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            snapkv_probe=probe,
+        )
+        state.cache = out.cache
+        return out.logits[0, -1]  # (V,)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        state: KVState,
+        ids: Sequence[int],
+        *,
+        pinned: bool | Sequence[bool] = False,
+        window: int | None = None,
+    ) -> tuple[torch.Tensor, WindowProbe | None]:
+        """Feed ``state.pending`` and then ``ids`` onto the cache at their true positions.
+
+        Parameters
+        ----------
+        ids: the new tokens
+        pinned: ``True`` pins all of ``ids``; a sequence of bools (same length) pins some
+        window: observe the last ``window`` queries (for :meth:`compress`); None observes nothing
+
+        Returns
+        -------
+        The next-token logits (V,), and the probe holding each layer's window scores (or None).
+        """
+        ids = [int(t) for t in ids]
+        flags = [bool(pinned)] * len(ids) if isinstance(pinned, bool) else [bool(p) for p in pinned]
+        if len(flags) != len(ids):
+            raise ConfigError("pinned", f"{len(flags)} flags", f"must match the {len(ids)} tokens given")
+        todo, todo_flags = state.pending + ids, [False] * len(state.pending) + flags
+        if not todo:
+            raise ConfigError("ids", ids, "nothing to prefill")
+        if window is not None and window > len(todo):
+            raise ConfigError("window", window, f"is longer than the prompt ({len(todo)} tokens to prefill)")
+        state.pending = []
+        probe = WindowProbe(window, turn_start=state.next_position) if window is not None else None
+        # Chunk, keeping the observation window inside the last chunk.
+        bounds = list(range(0, len(todo), self.prefill_chunk)) + [len(todo)]
+        if probe is not None and len(bounds) > 2 and bounds[-1] - bounds[-2] < window:
+            bounds[-2] = bounds[-1] - window
+        logits = None
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if lo == hi:
+                continue
+            last = hi == len(todo)
+            logits = self._forward(state, todo[lo:hi], probe if last else None)
+            state.append(todo[lo:hi], todo_flags[lo:hi], self.num_kv_heads, self.device)
+        return logits, probe
+
+    @torch.inference_mode()
+    def step(self, state: KVState, token: int) -> torch.Tensor:
+        """Feed one token at its true position; returns the next-token logits (V,)."""
+        logits = self._forward(state, [token], None)
+        state.append([token], [False], self.num_kv_heads, self.device)
+        return logits
+
+    def generate(
+        self, state: KVState, first_logits: torch.Tensor, gen: GenerationConfig | None = None
+    ) -> Iterator[int]:
+        """Decode from ``first_logits`` (the prefill's), yielding token ids as they come.
+
+        The end token (EOS) is not yielded. The last sampled token is left in ``state.pending`` (not yet in
+        the cache): the next prefill feeds it first, so the transcript stays whole. ``state`` gets
+        ``last_stop_reason`` set to ``"eos"``, ``"stop"`` or ``"length"``.
+        """
+        gen = gen or GenerationConfig()
+        eos = set(gen.eos_token_ids if gen.eos_token_ids is not None else self.eos_token_ids)
+        if gen.stop and self.tokenizer is None:
+            raise ConfigError("stop", gen.stop, "stop strings need the runner to have a tokenizer")
+        sample = Sampler(gen, first_logits.device)
+        logits, produced = first_logits, []
+        reason = "length"
+        for i in range(gen.max_new_tokens):
+            tok = sample(logits)
+            if tok in eos:
+                state.pending = [tok]
+                reason = "eos"
+                break
+            produced.append(tok)
+            yield tok
+            if gen.stop and self._hit_stop(produced, gen.stop):
+                state.pending = [tok]
+                reason = "stop"
+                break
+            if i == gen.max_new_tokens - 1:
+                state.pending = [tok]
+                break
+            logits = self.step(state, tok)
+        state.last_stop_reason = reason
+
+    def _hit_stop(self, produced: list[int], stops: tuple[str, ...]) -> bool:
+        text = self.tokenizer.decode(produced, skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    # ---------------------------------------------------------------- compression
+
+    @torch.inference_mode()
+    def compress(self, state: KVState, cfg: CompressionConfig, probe: WindowProbe) -> CompressionReport:
+        """Keep, per layer and KV head, the history the probe's window attends to, plus the window.
+
+        Layers whose cache already fits their budget are left alone. Pinned positions are always kept.
+        """
+        window = probe.window
+        budgets = layer_budgets(cfg, self.num_layers, state.next_position)
+        report = CompressionReport(
+            context_tokens=state.next_position,
+            window=window,
+            budgets=budgets,
+            tokens_before=state.cache_lengths(),
+            tokens_after=[],
+            pinned_total=int(state.pinned.sum()),
+            score_ms=probe.seconds * 1e3,
+            kv_bytes_before=state.kv_bytes(),
+        )
+        scorer = SnapKV(window=window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
+        grow = cfg.pin_overflow == "grow"
+        for layer, lay in enumerate(state.cache.layers):
+            length = lay.keys.shape[-2]
+            if probe.scores[layer].shape[-1] != length:
+                raise ConfigError("probe", f"layer {layer}", "was recorded on another cache length; compress "
+                                  "right after the prefill that observed")
+            if length > budgets[layer]:
+                t0 = time.perf_counter()
+                scores = scorer.score(probe.scores[layer], self.num_kv_heads)  # (B, Hkv, T - W)
+                hist_pos = state.positions[layer][..., : length - window]  # (B, Hkv, T - W)
+                pinned = state.pinned[hist_pos]  # (B, Hkv, T - W)
+                idx = select_positions(scores, budgets[layer] - window, window, pinned, grow, layer)  # (B,Hkv,K)
+                t1 = time.perf_counter()
+                gather = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
+                lay.keys = lay.keys.gather(2, gather)  # (B, Hkv, K, D)
+                lay.values = lay.values.gather(2, gather)  # (B, Hkv, K, D)
+                state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
+                report.select_ms += (t1 - t0) * 1e3
+                report.gather_ms += (time.perf_counter() - t1) * 1e3
+            pos = state.positions[layer][0]  # (Hkv, K)
+            report.tokens_after.append(int(pos.shape[-1]))
+            report.kept.append([int(pos.shape[-1])] * self.num_kv_heads)
+            report.kept_new.append((pos >= probe.turn_start).sum(-1).tolist())
+        report.pinned_kept = self._pinned_kept(state)
+        report.kv_bytes_after = state.kv_bytes()
+        state.reports.append(report)
+        return report
+
+    @staticmethod
+    def _pinned_kept(state: KVState) -> int:
+        """Pinned positions held by the layer and head that holds the fewest."""
+        counts = [state.pinned[p[0]].sum(-1).min() for p in state.positions]  # per layer: min over heads
+        return int(min(counts)) if counts else 0
+
+    # ---------------------------------------------------------------- one turn
+
+    def turn(
+        self,
+        state: KVState,
+        ids: Sequence[int],
+        compression: CompressionConfig | None,
+        gen: GenerationConfig | None = None,
+        *,
+        pinned: bool | Sequence[bool] = False,
+    ) -> TurnResult:
+        """Prefill ``ids``, compress with this turn's observation window, and decode the reply.
+
+        The first turn (empty cache) must be at least ``compression.window`` tokens long; a later turn shorter
+        than the window observes with all of its tokens.
+        """
+        window = None
+        if compression is not None:
+            n_todo = len(state.pending) + len(ids)
+            window = compression.window if state.next_position == 0 else min(compression.window, n_todo)
+        t0 = time.perf_counter()
+        logits, probe = self.prefill(state, ids, pinned=pinned, window=window)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+        report = self.compress(state, compression, probe) if probe is not None else None
+        t1 = time.perf_counter()
+        tokens = list(self.generate(state, logits, gen))
+        return TurnResult(
+            tokens=tokens,
+            stop_reason=state.last_stop_reason,
+            report=report,
+            prefill_ms=prefill_ms,
+            decode_ms=(time.perf_counter() - t1) * 1e3,
+            prompt_tokens=len(ids),
+        )

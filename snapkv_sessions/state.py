@@ -1,0 +1,72 @@
+"""KVState: a conversation's compressed cache plus the TRUE position of every slot it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .report import CompressionReport
+
+
+@dataclass
+class KVState:
+    """The model-side state of one conversation.
+
+    Attributes
+    ----------
+    cache:
+        The transformers cache; ``cache.layers[l].keys`` is (B, Hkv, T_l, D), post-RoPE. T_l differs between
+        layers under a pyramid budget.
+    positions:
+        ``positions[l]`` (B, Hkv, T_l) long: the true (absolute) position of each slot of layer ``l``, per KV
+        head. Sorted along the last dim. This is what the audit maps back to messages.
+    token_ids:
+        Every token that went into the cache, indexed by true position.
+    pinned:
+        (N,) bool over true positions: positions that compression must never evict.
+    pending:
+        Tokens of the transcript not yet in the cache (the last sampled token of a reply); the next prefill
+        feeds them first.
+    reports:
+        One CompressionReport per compression, in order.
+    """
+
+    cache: object
+    positions: list[torch.Tensor] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    pinned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    pending: list[int] = field(default_factory=list)
+    reports: list[CompressionReport] = field(default_factory=list)
+    last_stop_reason: str | None = None
+
+    @property
+    def next_position(self) -> int:
+        """The true position the next token fed to the cache gets (never the compressed length)."""
+        return len(self.token_ids)
+
+    def cache_lengths(self) -> list[int]:
+        """Slots held per layer."""
+        return [int(p.shape[-1]) for p in self.positions]
+
+    def kv_bytes(self) -> int:
+        """Key and value bytes resident in the cache, all layers."""
+        return sum(lay.keys.numel() * lay.keys.element_size() * 2 for lay in self.cache.layers)
+
+    def kept_positions(self, layer: int, head: int, batch: int = 0) -> list[int]:
+        """True positions held by one layer and KV head."""
+        return self.positions[layer][batch, head].tolist()
+
+    def append(self, ids: list[int], pinned: list[bool], heads: int, device: torch.device) -> None:
+        """Account for ``ids`` having been written to the end of every layer's cache."""
+        start = self.next_position
+        new = torch.arange(start, start + len(ids), device=device)  # (n,)
+        self.token_ids.extend(ids)
+        flags = torch.tensor(pinned, dtype=torch.bool, device=self.pinned.device)  # (n,)
+        self.pinned = torch.cat([self.pinned, flags])
+        for layer in range(len(self.cache.layers)):
+            grown = new.expand(1, heads, len(ids))  # (B, Hkv, n)
+            if layer < len(self.positions):
+                self.positions[layer] = torch.cat([self.positions[layer], grown], dim=-1)
+            else:
+                self.positions.append(grown.clone())

