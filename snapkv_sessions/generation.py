@@ -21,7 +21,7 @@ class GenerationConfig:
     top_k: keep the k most likely tokens before sampling (0 = all)
     top_p: nucleus sampling mass in (0, 1]
     seed: seeds the sampler's own ``torch.Generator``, so a seeded reply is reproducible
-    stop: stop strings; decoding stops once the reply text contains one (the text is cut before it)
+    stop: stop strings; decoding stops once the reply text contains one (the caller trims the text)
     eos_token_ids: end-of-sequence ids; ``None`` takes the model's generation config
     """
 
