@@ -135,8 +135,8 @@ def _resolve_bundle(bundle: Bundle) -> Path:
 def _convert_gguf(gguf: Path, target: Path, source: dict) -> None:
     """De-quantise a GGUF file to an fp32 safetensors folder at ``target`` (written atomically)."""
     try:
-        import gguf as _gguf  # noqa: F401
         import accelerate as _accelerate  # noqa: F401
+        import gguf as _gguf  # noqa: F401
     except ImportError as exc:
         raise ModelResolveError(
             f"loading GGUF needs the '{exc.name}' package: pip install 'snapkv-sessions[gguf]'"

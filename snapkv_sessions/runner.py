@@ -159,7 +159,7 @@ class ModelRunner:
         if probe is not None and len(bounds) > 2 and bounds[-1] - bounds[-2] < window:
             bounds[-2] = bounds[-1] - window
         logits = None
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             if lo == hi:
                 continue
             last = hi == len(todo)

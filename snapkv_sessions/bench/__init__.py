@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print figures (JSON and a table), never timed assertions."""

@@ -1,0 +1,99 @@
+"""The ``snapkv-sessions`` command line: a thin layer over the library; library errors become clean errors."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from .errors import SnapKVError
+
+
+def clean_errors(fn):
+    """Turn the library's own errors into a one-line CLI error (exit 1) instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SnapKVError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="snapkv-sessions")
+def main() -> None:
+    """Recoverable per-turn SnapKV sessions over a local Hugging Face causal LM."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a CLI prints its own figures; loaders' bars only clutter them
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--budget", default=160, show_default=True, help="Tokens kept per layer and KV head.")
+@click.option("--window", default=16, show_default=True, help="Observation window (last W query tokens).")
+@click.option("--max-new-tokens", default=48, show_default=True, help="Reply length cap per turn.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
+@clean_errors
+def demo(model: str, budget: int, window: int, max_new_tokens: int, as_json: bool) -> None:
+    """Run a scripted multi-turn compressed conversation and print what each turn kept."""
+    from .demo import run_demo
+
+    for row in run_demo(model, budget=budget, window=window, max_new_tokens=max_new_tokens):
+        if as_json:
+            click.echo(json.dumps(row))
+        else:
+            click.echo(
+                f"turn {row['turn']}: context {row['context_tokens']} tok, cache {row['cache_before']} -> "
+                f"{row['cache_after']} per layer (pinned kept {row['pinned_kept']}/{row['pinned_total']}), "
+                f"compression {row['compression_ms']:.1f} ms, prefill {row['prefill_ms']:.0f} ms\n"
+                f"  user: {row['user']}\n  assistant: " + row["reply"].replace("\n", "\n             ")
+            )
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print figures (JSON and a table)."""
+
+
+@bench.command("overhead")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--lengths", multiple=True, type=int, default=(2048, 4096, 8192), show_default=True,
+              help="Context lengths in tokens (repeat the option).")
+@click.option("--budget-ratio", default=0.1, show_default=True, help="Budget as a share of the context.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--kernel", default=7, show_default=True, help="Pooling kernel.")
+@click.option("--repeats", default=2, show_default=True, help="Repeats per length (median reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_json) -> None:
+    """Compression time as a share of prefill time, per context length."""
+    from .bench import overhead
+    from .config import CompressionConfig
+
+    cfg = CompressionConfig.make(budget_ratio=budget_ratio, window=window, kernel=kernel)
+    result = overhead.run(model, list(lengths), cfg, repeats=repeats)
+    click.echo(json.dumps(result, indent=2))
+    if not as_json:
+        click.echo(overhead.table(result), err=False)
+
+
+@main.command("resolve")
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@clean_errors
+def resolve(model: str, as_json: bool) -> None:
+    """Resolve (and convert once) a model; print the folder it loads from."""
+    from .models import resolve_model
+
+    path = resolve_model(model)
+    click.echo(json.dumps({"model": model, "path": path}) if as_json else path)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

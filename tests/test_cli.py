@@ -1,0 +1,57 @@
+"""The command line and the examples, run for real on the offline SmolLM2 bundle."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from snapkv_sessions.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_json(smollm2):
+    res = CliRunner().invoke(main, ["demo", "--json", "--max-new-tokens", "8", "--budget", "120"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    assert [r["turn"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["cache_after"] == 120 for r in rows)
+    assert all(r["pinned_kept"] == r["pinned_total"] > 10 for r in rows)
+    contexts = [r["context_tokens"] for r in rows]
+    assert contexts == sorted(contexts) and contexts[0] > 120
+    assert all(r["kv_bytes_after"] < r["kv_bytes_before"] for r in rows)
+
+
+def test_bench_overhead_json(smollm2):
+    res = CliRunner().invoke(main, ["bench", "overhead", "--lengths", "256", "--repeats", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    (row,) = out["rows"]
+    assert row["tokens"] == 256 and row["budget_per_layer"] == 33  # 10% of 256 floored at window + 1
+    assert row["kv_bytes_after"] * 256 == row["kv_bytes_before"] * 33
+    assert row["compression_ms"] == pytest.approx(row["score_ms"] + row["select_ms"] + row["gather_ms"], abs=0.02)
+
+
+def test_cli_errors_are_clean():
+    res = CliRunner().invoke(main, ["resolve", "/nonexistent/x.gguf"])
+    assert res.exit_code == 1
+    assert res.output.strip() == "Error: model='/nonexistent/x.gguf': no such GGUF file"
+    res = CliRunner().invoke(main, ["bench", "overhead", "--window", "0", "--json"])
+    assert res.exit_code == 1 and "window=0" in res.output and "Traceback" not in res.output
+
+
+def test_engine_quickstart_example(smollm2):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "engine_quickstart.py")], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    before, after = map(int, re.search(r"kept per layer: (\d+) -> (\d+)", out).groups())
+    assert before > 128 and after == 128
+    kept, total = map(int, re.search(r"pinned kept (\d+)/(\d+)", out).groups())
+    assert kept == total > 0
+    position, slots = map(int, re.search(r"next true position: (\d+) \| slots held per layer: (\d+)", out).groups())
+    assert slots >= 128 and position > before + slots - 128  # true positions run past the compressed length
