@@ -14,4 +14,4 @@ test: install lint
 	$(PY) -m pytest -q -ra
 
 bench:
-	snapkv-sessions bench overhead --model smollm2-135m-instruct --lengths 2048 --lengths 4096 --lengths 8192 --repeats 3
+	snapkv-sessions bench overhead --model smollm2-135m-instruct --lengths 2048,4096,8192 --repeats 3

@@ -63,8 +63,7 @@ def bench() -> None:
 
 @bench.command("overhead")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
-@click.option("--lengths", multiple=True, type=int, default=(2048, 4096, 8192), show_default=True,
-              help="Context lengths in tokens (repeat the option).")
+@click.option("--lengths", default="2048,4096,8192", show_default=True, help="Comma-separated context lengths.")
 @click.option("--budget-ratio", default=0.1, show_default=True, help="Budget as a share of the context.")
 @click.option("--window", default=32, show_default=True, help="Observation window.")
 @click.option("--kernel", default=7, show_default=True, help="Pooling kernel.")
@@ -76,8 +75,14 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
     from .bench import overhead
     from .config import CompressionConfig
 
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"--lengths={lengths!r}: give integers separated by commas") from None
+    if not sizes or min(sizes) < window + 1:
+        raise click.BadParameter(f"--lengths={lengths!r}: each length must exceed the window ({window})")
     cfg = CompressionConfig.make(budget_ratio=budget_ratio, window=window, kernel=kernel)
-    result = overhead.run(model, list(lengths), cfg, repeats=repeats)
+    result = overhead.run(model, sizes, cfg, repeats=repeats)
     click.echo(json.dumps(result, indent=2))
     if not as_json:
         click.echo(overhead.table(result), err=False)
