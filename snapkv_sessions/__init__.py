@@ -1,32 +1,43 @@
-"""snapkv-sessions: recoverable per-turn SnapKV compression of a local causal LM's KV cache."""
+"""snapkv-sessions: recoverable per-turn SnapKV compression of a local causal LM's KV cache.
 
-from .config import CompressionConfig
-from .errors import BudgetError, ConfigError, ModelResolveError, SnapKVError, UnsupportedModelError
-from .generation import GenerationConfig
-from .models import BUNDLES, load_model, resolve_model
-from .press import SnapKV, layer_budgets, select_positions
-from .report import CompressionReport
-from .runner import ModelRunner, TurnResult
-from .state import KVState
+Names are imported lazily (PEP 562), so ``import snapkv_sessions.store`` or the policy module never pulls in
+torch.
+"""
 
-__all__ = [
-    "BUNDLES",
-    "BudgetError",
-    "CompressionConfig",
-    "CompressionReport",
-    "ConfigError",
-    "GenerationConfig",
-    "KVState",
-    "ModelResolveError",
-    "ModelRunner",
-    "SnapKV",
-    "SnapKVError",
-    "TurnResult",
-    "UnsupportedModelError",
-    "layer_budgets",
-    "load_model",
-    "resolve_model",
-    "select_positions",
-]
+from __future__ import annotations
 
+import importlib
+
+_EXPORTS = {
+    "BUNDLES": "models",
+    "BudgetError": "errors",
+    "CompressionConfig": "config",
+    "CompressionReport": "report",
+    "ConfigError": "errors",
+    "GenerationConfig": "generation",
+    "KVState": "state",
+    "ModelResolveError": "errors",
+    "ModelRunner": "runner",
+    "Policy": "policy",
+    "PolicyError": "policy",
+    "Reply": "session",
+    "Session": "session",
+    "SessionStore": "store",
+    "SnapKV": "press",
+    "SnapKVError": "errors",
+    "TurnResult": "runner",
+    "UnsupportedModelError": "errors",
+    "layer_budgets": "press",
+    "load_model": "models",
+    "resolve_model": "models",
+    "select_positions": "press",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'snapkv_sessions' has no attribute {name!r}")
+    module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+    return getattr(module, name)

@@ -53,12 +53,22 @@ class CompressionConfig(BaseModel):
     pyramid_beta: float = 20.0
     pin_overflow: Literal["error", "grow"] = "error"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ratio_replaces_budget(cls, data: object) -> object:
+        # Giving budget_ratio alone means "no token budget", not "both".
+        if isinstance(data, dict) and data.get("budget_ratio") is not None and "budget" not in data:
+            return {**data, "budget": None}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> CompressionConfig:
         if (self.budget is None) == (self.budget_ratio is None):
             raise ValueError("set exactly one of budget and budget_ratio")
         if self.window < 1:
             raise ValueError(f"window={self.window} must be >= 1")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"budget={self.budget} must be a positive number of tokens")
         if self.budget is not None and self.budget <= self.window:
             raise ValueError(f"budget={self.budget} must be greater than window={self.window}")
         if self.budget_ratio is not None and not 0.0 < self.budget_ratio <= 1.0:
@@ -72,8 +82,6 @@ class CompressionConfig(BaseModel):
     @classmethod
     def make(cls, **kwargs: object) -> CompressionConfig:
         """Build a config, turning pydantic's errors into a :class:`ConfigError` naming field and value."""
-        if "budget_ratio" in kwargs and "budget" not in kwargs:
-            kwargs["budget"] = None
         try:
             return cls(**kwargs)
         except ValidationError as exc:

@@ -215,11 +215,15 @@ class ModelRunner:
     # ---------------------------------------------------------------- compression
 
     @torch.inference_mode()
-    def compress(self, state: KVState, cfg: CompressionConfig, probe: WindowProbe) -> CompressionReport:
+    def compress(
+        self, state: KVState, cfg: CompressionConfig, probe: WindowProbe, protect: torch.Tensor | None = None
+    ) -> CompressionReport:
         """Keep, per layer and KV head, the history the probe's window attends to, plus the window.
 
-        Layers whose cache already fits their budget are left alone. Pinned positions are always kept.
+        Layers whose cache already fits their budget are left alone. Pinned positions are always kept;
+        ``protect`` (N,) bool over true positions is kept for this compression only (the current question).
         """
+        keep_mask = state.pinned if protect is None else state.pinned | protect[: state.next_position]  # (N,)
         window = probe.window
         budgets = layer_budgets(cfg, self.num_layers, state.next_position)
         report = CompressionReport(
@@ -243,7 +247,7 @@ class ModelRunner:
                 t0 = time.perf_counter()
                 scores = scorer.score(probe.scores[layer], self.num_kv_heads)  # (B, Hkv, T - W)
                 hist_pos = state.positions[layer][..., : length - window]  # (B, Hkv, T - W)
-                pinned = state.pinned[hist_pos]  # (B, Hkv, T - W)
+                pinned = keep_mask[hist_pos]  # (B, Hkv, T - W)
                 idx = select_positions(scores, budgets[layer] - window, window, pinned, grow, layer)  # (B,Hkv,K)
                 t1 = time.perf_counter()
                 gather = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)

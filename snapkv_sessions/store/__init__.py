@@ -2,3 +2,9 @@
 
 This subpackage never imports torch, so workers that only read or audit sessions stay light.
 """
+
+from .hashing import message_hash
+from .locks import LockTimeout
+from .store import SessionStore, StoreError, default_url
+
+__all__ = ["LockTimeout", "SessionStore", "StoreError", "default_url", "message_hash"]

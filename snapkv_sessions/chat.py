@@ -1,0 +1,96 @@
+"""Messages and the chat template: roles, OpenAI-style dicts, and the exact text span of every message."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import ConfigError
+from .policy import ROLES
+
+# How each role reaches the model's chat template (the store keeps the raw role and content).
+TEMPLATE_ROLE = {"system": "system", "developer": "system", "tool_schema": "system", "document": "user",
+                 "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class TemplateError(ConfigError):
+    """The chat template does not render a conversation as a stable prefix of its extension."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of a session. ``seq`` is its place in the store's hash chain (None before it is stored)."""
+
+    role: str
+    content: str
+    name: str | None = None
+    pinned: bool = False
+    seq: int | None = None
+
+    @classmethod
+    def coerce(cls, msg: str | dict | Message, default_role: str = "user") -> Message:
+        """A Message from a string (``default_role``), an OpenAI-style dict or a Message."""
+        if isinstance(msg, Message):
+            return msg
+        if isinstance(msg, str):
+            return cls(role=default_role, content=msg)
+        if not isinstance(msg, dict):
+            raise ConfigError("msg", type(msg).__name__, "must be a str, an OpenAI-style dict or a Message")
+        role = msg.get("role", default_role)
+        if role not in ROLES:
+            raise ConfigError("msg.role", role, f"must be one of {list(ROLES)}")
+        content = msg.get("content")
+        if content is None and msg.get("tool_calls"):
+            content = json.dumps({"tool_calls": msg["tool_calls"]}, ensure_ascii=False, sort_keys=True)
+        if isinstance(content, list):  # OpenAI content parts: keep the text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise ConfigError("msg.content", content, "must be a string")
+        name = msg.get("name") or msg.get("tool_call_id")
+        return cls(role=role, content=content, name=name, pinned=bool(msg.get("pinned", False)))
+
+    def for_template(self) -> dict:
+        content = self.content
+        if self.role == "document":
+            content = f"Document{' ' + self.name if self.name else ''}:\n{content}"
+        elif self.role == "tool_schema":
+            content = f"Tools available (JSON schema):\n{content}"
+        elif self.role == "developer":
+            content = f"Developer instructions:\n{content}"
+        return {"role": TEMPLATE_ROLE[self.role], "content": content}
+
+
+class ChatFormatter:
+    """Renders messages with the tokenizer's chat template and knows each message's character span."""
+
+    def __init__(self, tokenizer) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("tokenizer", type(tokenizer).__name__, "has no chat template")
+        self.tokenizer = tokenizer
+        self._memo: dict[tuple, str] = {}
+
+    def _render(self, msgs: list[Message], generation_prompt: bool) -> str:
+        key = (tuple((m.role, m.name, m.content) for m in msgs), generation_prompt)
+        if key not in self._memo:
+            self._memo[key] = self.tokenizer.apply_chat_template(
+                [m.for_template() for m in msgs], add_generation_prompt=generation_prompt, tokenize=False)
+        return self._memo[key]
+
+    def render(self, msgs: list[Message], generation_prompt: bool = True) -> tuple[str, list[tuple[int | None, int, int]]]:
+        """The conversation text and ``(seq, start, end)`` character spans; the generation prompt's span has
+        seq None."""
+        spans: list[tuple[int | None, int, int]] = []
+        prev = ""
+        for i, msg in enumerate(msgs):
+            text = self._render(msgs[: i + 1], False)
+            if not text.startswith(prev):
+                raise TemplateError("tokenizer.chat_template", msg.role, "rendering is not prefix-stable")
+            spans.append((msg.seq, len(prev), len(text)))
+            prev = text
+        if generation_prompt:
+            text = self._render(msgs, True)
+            if not text.startswith(prev):
+                raise TemplateError("tokenizer.chat_template", "generation prompt", "rendering is not prefix-stable")
+            spans.append((None, len(prev), len(text)))
+            prev = text
+        return prev, spans

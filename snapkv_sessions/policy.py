@@ -1,0 +1,170 @@
+"""Session policy: budgets, windows, pins, drift and recovery, from YAML (``safe_load``) validated by pydantic v2.
+
+This module imports no torch, so the store, the policy checks and the CLI stay light.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .config import CompressionConfig
+from .errors import ConfigError
+
+ROLES = ("system", "developer", "tool_schema", "document", "user", "assistant", "tool")
+POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"
+
+
+class PolicyError(ConfigError):
+    """A policy field has an invalid value; ``param`` is the field path (``"compression.window"``)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PinPolicy(_Strict):
+    """What compression and re-prefill may never evict.
+
+    roles: every token of a message with one of these roles
+    markers: literal strings; the tokens of every occurrence inside any message
+    patterns: regular expressions; the tokens of every match inside any message
+    sink_tokens: the first N tokens of the session (attention sinks)
+    keep_question: keep the current turn's user message through that turn's compression (when it fits)
+    """
+
+    roles: tuple[str, ...] = ("system",)
+    markers: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
+    sink_tokens: int = Field(default=4, ge=0)
+    keep_question: bool = True
+
+    @field_validator("roles")
+    @classmethod
+    def _known_roles(cls, roles: tuple[str, ...]) -> tuple[str, ...]:
+        for role in roles:
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r}; roles are {list(ROLES)}")
+        return roles
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pat in patterns:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise ValueError(f"bad regex {pat!r}: {exc}") from None
+        return patterns
+
+    @field_validator("markers")
+    @classmethod
+    def _non_empty(cls, markers: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not m for m in markers):
+            raise ValueError("markers must be non-empty strings")
+        return markers
+
+
+class DriftPolicy(_Strict):
+    """Task-shift detection from query-embedding drift (1 - max cosine similarity to the working set)."""
+
+    embedder: Literal["minilm", "model", "none"] = "minilm"
+    threshold: float = Field(default=0.6, ge=0.0, le=2.0)
+    action: Literal["reprefill", "warn", "never"] = "reprefill"
+
+
+class RecoveryPolicy(_Strict):
+    """Limits on re-prefills from the store."""
+
+    max_reprefills: int | None = Field(default=None, ge=0)
+    min_turns_between: int = Field(default=1, ge=0)
+
+
+class LimitsPolicy(_Strict):
+    """Admission limits, checked (with the torch-free token counter) before any model work."""
+
+    max_document_tokens: int | None = Field(default=None, ge=1)
+    max_session_tokens: int | None = Field(default=None, ge=1)
+
+
+class Policy(_Strict):
+    """A whole session policy. ``Policy()`` is the default policy (``policies/default.yaml``)."""
+
+    name: str = "default"
+    compression: CompressionConfig = CompressionConfig()
+    min_prompt_tokens: int = Field(default=0, ge=0)
+    pins: PinPolicy = PinPolicy()
+    drift: DriftPolicy = DriftPolicy()
+    recovery: RecoveryPolicy = RecoveryPolicy()
+    limits: LimitsPolicy = LimitsPolicy()
+
+    @model_validator(mode="after")
+    def _sinks_fit(self) -> Policy:
+        budget = self.compression.budget
+        if budget is not None and self.pins.sink_tokens >= budget - self.compression.window:
+            raise ValueError(f"pins.sink_tokens={self.pins.sink_tokens} leaves no history budget "
+                             f"(budget {budget} - window {self.compression.window})")
+        return self
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Policy:
+        """Validate a mapping; errors become :class:`PolicyError` naming the field path and value."""
+        if not isinstance(data, dict):
+            raise PolicyError("policy", type(data).__name__, "must be a mapping")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise _policy_error(exc, data) from None
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Policy:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PolicyError("policy", "<yaml>", f"not valid YAML: {exc}") from None
+        return cls.from_dict(data or {})
+
+    @classmethod
+    def load(cls, source: str | Path | dict | Policy | None) -> Policy:
+        """A policy from a Policy, a dict, a YAML path, or a reference name (``default``, ``rag-qa``, ...)."""
+        if source is None:
+            return cls()
+        if isinstance(source, Policy):
+            return source
+        if isinstance(source, dict):
+            return cls.from_dict(source)
+        path = Path(source)
+        if not path.is_file() and (POLICY_DIR / f"{source}.yaml").is_file():
+            path = POLICY_DIR / f"{source}.yaml"
+        if not path.is_file():
+            raise PolicyError("policy", str(source), "no such file, and not a reference policy name")
+        return cls.from_yaml(path.read_text())
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+def _policy_error(exc: ValidationError, data: dict) -> PolicyError:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error" and "=" in msg.split(" ", 1)[0]:
+        # a model-level check names its own field first: "window=32 must be ..." inside "compression"
+        field = msg.split("=", 1)[0].split(".")
+        loc = field if not loc else (loc + field if loc[-1] != field[-1] else loc)
+    value: object = data
+    for part in loc:
+        value = value.get(part) if isinstance(value, dict) else err.get("input")
+    return PolicyError(".".join(loc) or "policy", value, msg)

@@ -1,0 +1,280 @@
+"""SessionStore: the raw conversation, turn records and events; the source of truth every evicted KV is
+rebuilt from. SQLAlchemy 2 (SQLite by default, any URL; PostgreSQL for several workers) plus optional Redis for
+hot state and per-session locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+from sqlalchemy import create_engine, delete, event, func, insert, select, update
+from sqlalchemy.engine import Connection, Engine
+
+from ..errors import SnapKVError
+from . import schema
+from .hashing import GENESIS, message_hash
+from .locks import redis_lock, sql_lock
+from .migrations import migrate
+
+
+class StoreError(SnapKVError, LookupError):
+    """A session, turn or message is missing or inconsistent."""
+
+
+def default_url() -> str:
+    """The embedded default: a SQLite file in the user data directory."""
+    base = os.environ.get("SNAPKV_SESSIONS_HOME")
+    if base:
+        root = Path(base)
+    else:
+        root = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "snapkv-sessions"
+    root.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{root / 'sessions.db'}"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+    cur.execute("PRAGMA busy_timeout=30000")  # several processes write one file
+    cur.close()
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url)
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+class SessionStore:
+    """The raw store.
+
+    Parameters
+    ----------
+    url: SQLAlchemy URL; None for the embedded SQLite file (:func:`default_url`)
+    redis_url: optional Redis for hot state and per-session locks; unreachable Redis only warns
+    """
+
+    def __init__(self, url: str | None = None, redis_url: str | None = None) -> None:
+        self.url = url or default_url()
+        self.engine = _make_engine(self.url)
+        with self.engine.begin() as conn:
+            migrate(conn)
+        self.redis = self._connect_redis(redis_url) if redis_url else None
+
+    @staticmethod
+    def _connect_redis(url: str):
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            warnings.warn(f"Redis at {url} unreachable ({exc}); going on with SQL alone", RuntimeWarning,
+                          stacklevel=3)
+        return client
+
+    def __repr__(self) -> str:
+        return f"SessionStore({self.engine.url.render_as_string(hide_password=True)!r})"
+
+    # ------------------------------------------------------------------ locks and hot state
+
+    @contextlib.contextmanager
+    def lock(self, session_id: str, timeout: float = 600.0) -> Iterator[None]:
+        """Exclusive right to run a turn of ``session_id`` (SQL lock, plus Redis when reachable)."""
+        with sql_lock(self.engine, session_id, timeout), redis_lock(self.redis, session_id, timeout):
+            yield
+
+    def _hot_set(self, session_id: str, **fields: object) -> None:
+        if self.redis is None:
+            return
+        import redis
+
+        try:
+            self.redis.hset(f"snapkv:session:{session_id}", mapping={k: str(v) for k, v in fields.items()})
+        except redis.RedisError as exc:
+            warnings.warn(f"Redis unreachable ({exc}); hot state not updated, SQL has it", RuntimeWarning,
+                          stacklevel=3)
+
+    def hot_state(self, session_id: str) -> dict[str, str]:
+        """What Redis holds for the session (empty without Redis)."""
+        if self.redis is None:
+            return {}
+        import redis
+
+        try:
+            raw = self.redis.hgetall(f"snapkv:session:{session_id}")
+        except redis.RedisError:
+            return {}
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    # ------------------------------------------------------------------ sessions
+
+    def create_session(self, model_id: str, policy_json: str, policy_sha256: str, title: str | None = None,
+                       meta: dict | None = None) -> str:
+        sid = str(uuid.uuid4())
+        now = _now()
+        with self.engine.begin() as conn:
+            conn.execute(insert(schema.sessions).values(
+                id=sid, created_at=now, updated_at=now, model_id=model_id, policy_json=policy_json,
+                policy_sha256=policy_sha256, title=title, turns_done=0, head_hash=GENESIS, meta=meta or {}))
+        return sid
+
+    def get_session(self, session_id: str) -> dict:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(schema.sessions).where(schema.sessions.c.id == session_id)).mappings().first()
+        if row is None:
+            raise StoreError(f"session_id={session_id!r}: no such session in {self!r}")
+        return dict(row)
+
+    def list_sessions(self) -> list[dict]:
+        n_msgs = (select(func.count()).select_from(schema.messages)
+                  .where(schema.messages.c.session_id == schema.sessions.c.id).scalar_subquery())
+        q = select(schema.sessions, n_msgs.label("messages")).order_by(schema.sessions.c.created_at)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def delete_session(self, session_id: str) -> None:
+        self.get_session(session_id)
+        with self.engine.begin() as conn:
+            for table in (schema.events, schema.turns, schema.messages):
+                conn.execute(delete(table).where(table.c.session_id == session_id))
+            conn.execute(delete(schema.sessions).where(schema.sessions.c.id == session_id))
+
+    # ------------------------------------------------------------------ messages
+
+    def _append(self, conn: Connection, session_id: str, role: str, content: str, name: str | None = None,
+                pinned: bool = False, turn: int | None = None) -> dict:
+        """Append one message to the hash chain inside the caller's transaction."""
+        sess = conn.execute(select(schema.sessions.c.head_hash).where(schema.sessions.c.id == session_id)
+                            .with_for_update()).first()
+        if sess is None:
+            raise StoreError(f"session_id={session_id!r}: no such session")
+        seq = conn.execute(select(func.coalesce(func.max(schema.messages.c.seq), 0))
+                           .where(schema.messages.c.session_id == session_id)).scalar() + 1
+        digest = message_hash(sess.head_hash, seq, role, name, content)
+        row = dict(session_id=session_id, seq=seq, role=role, name=name, content=content, pinned=pinned,
+                   status="active", turn=turn, prev_hash=sess.head_hash, hash=digest, created_at=_now())
+        conn.execute(insert(schema.messages).values(**row))
+        conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
+                     .values(head_hash=digest, updated_at=row["created_at"]))
+        return row
+
+    def add_message(self, session_id: str, role: str, content: str, name: str | None = None,
+                    pinned: bool = False) -> dict:
+        """Commit one message (system, document, ...) outside a turn."""
+        with self.engine.begin() as conn:
+            return self._append(conn, session_id, role, content, name, pinned)
+
+    def messages(self, session_id: str, include_abandoned: bool = True) -> list[dict]:
+        q = select(schema.messages).where(schema.messages.c.session_id == session_id).order_by(schema.messages.c.seq)
+        if not include_abandoned:
+            q = q.where(schema.messages.c.status == "active")
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    # ------------------------------------------------------------------ turns (write-ahead)
+
+    def begin_turn(self, session_id: str, content: str, name: str | None, policy_sha256: str, model_id: str,
+                   generation: dict, seed: int | None, role: str = "user") -> tuple[int, dict]:
+        """Write-ahead: commit the user (or tool) message and a pending turn record, before any compute."""
+        with self.engine.begin() as conn:
+            turn = conn.execute(select(func.coalesce(func.max(schema.turns.c.turn), 0))
+                                .where(schema.turns.c.session_id == session_id)).scalar() + 1
+            msg = self._append(conn, session_id, role, content, name, turn=turn)
+            conn.execute(insert(schema.turns).values(
+                session_id=session_id, turn=turn, status="pending", user_seq=msg["seq"], policy_sha256=policy_sha256,
+                model_id=model_id, generation=generation, seed=seed, created_at=_now()))
+        return turn, msg
+
+    def finish_turn(self, session_id: str, turn: int, reply: str, record: dict, events: list[tuple[str, dict]],
+                    spans: dict[int, tuple[int, int]]) -> dict:
+        """Atomically: the assistant message, the turn record, its events and the messages' token spans."""
+        with self.engine.begin() as conn:
+            msg = self._append(conn, session_id, "assistant", reply, turn=turn)
+            conn.execute(update(schema.turns).where(schema.turns.c.session_id == session_id,
+                                                    schema.turns.c.turn == turn)
+                         .values(status="done", assistant_seq=msg["seq"], finished_at=_now(), **record))
+            spans = {**spans}
+            for seq, (start, end) in spans.items():
+                conn.execute(update(schema.messages).where(schema.messages.c.session_id == session_id,
+                                                           schema.messages.c.seq == seq)
+                             .values(token_start=start, token_end=end))
+            for kind, payload in events:
+                conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind=kind,
+                                                          payload=payload, created_at=_now()))
+            conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
+                         .values(turns_done=turn, updated_at=_now()))
+        self._hot_set(session_id, turns_done=turn, head_hash=msg["hash"])
+        return msg
+
+    def abandon_turn(self, session_id: str, turn: int, reason: str) -> None:
+        """Close a pending turn without a reply: its user message is kept (for the audit) but marked abandoned."""
+        with self.engine.begin() as conn:
+            row = conn.execute(select(schema.turns).where(schema.turns.c.session_id == session_id,
+                                                          schema.turns.c.turn == turn)).mappings().first()
+            conn.execute(update(schema.turns).where(schema.turns.c.id == row["id"])
+                         .values(status="abandoned", finished_at=_now()))
+            conn.execute(update(schema.messages).where(schema.messages.c.session_id == session_id,
+                                                       schema.messages.c.seq == row["user_seq"])
+                         .values(status="abandoned"))
+            conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind="abandoned",
+                                                      payload={"reason": reason}, created_at=_now()))
+
+    def add_event(self, session_id: str, kind: str, payload: dict, turn: int | None = None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind=kind, payload=payload,
+                                                      created_at=_now()))
+
+    def turns(self, session_id: str, status: str | None = None) -> list[dict]:
+        q = select(schema.turns).where(schema.turns.c.session_id == session_id).order_by(schema.turns.c.turn)
+        if status is not None:
+            q = q.where(schema.turns.c.status == status)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    def pending_turn(self, session_id: str) -> dict | None:
+        pending = self.turns(session_id, status="pending")
+        return pending[-1] if pending else None
+
+    def events(self, session_id: str) -> list[dict]:
+        q = select(schema.events).where(schema.events.c.session_id == session_id).order_by(schema.events.c.id)
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
+    # ------------------------------------------------------------------ integrity
+
+    def verify(self, session_id: str) -> list[str]:
+        """Re-hash every message in order; returns the problems found (empty when the chain is intact)."""
+        problems = []
+        prev = GENESIS
+        for i, msg in enumerate(self.messages(session_id), start=1):
+            if msg["seq"] != i:
+                problems.append(f"message seq {msg['seq']}: expected seq {i} (a message is missing)")
+            if msg["prev_hash"] != prev:
+                problems.append(f"message seq {msg['seq']}: prev_hash does not match the previous message")
+            digest = message_hash(msg["prev_hash"], msg["seq"], msg["role"], msg["name"], msg["content"])
+            if digest != msg["hash"]:
+                problems.append(f"message seq {msg['seq']} ({msg['role']}): content hash mismatch (altered)")
+            prev = msg["hash"]
+        if self.get_session(session_id)["head_hash"] != prev:
+            problems.append("session head_hash does not match the last message (truncated or altered)")
+        return problems
+
+    def export(self, session_id: str) -> dict:
+        """The whole session as plain data (kept-position blobs left out)."""
+        turns = [{k: v for k, v in t.items() if k != "kept_positions"} for t in self.turns(session_id)]
+        return {"session": self.get_session(session_id), "messages": self.messages(session_id), "turns": turns,
+                "events": self.events(session_id)}
