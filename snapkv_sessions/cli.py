@@ -35,23 +35,31 @@ def main() -> None:
 
 @main.command()
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
-@click.option("--budget", default=160, show_default=True, help="Tokens kept per layer and KV head.")
-@click.option("--window", default=16, show_default=True, help="Observation window (last W query tokens).")
-@click.option("--max-new-tokens", default=48, show_default=True, help="Reply length cap per turn.")
+@click.option("--policy", default="default", show_default=True, help="Policy name or YAML path.")
+@click.option("--budget", default=160, show_default=True, help="Override: tokens kept per layer and KV head.")
+@click.option("--window", default=16, show_default=True, help="Override: observation window.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
 @clean_errors
-def demo(model: str, budget: int, window: int, max_new_tokens: int, as_json: bool) -> None:
-    """Run a scripted multi-turn compressed conversation and print what each turn kept."""
-    from .demo import run_demo
+def demo(model, policy, budget, window, max_new_tokens, db, as_json) -> None:
+    """Run a scripted multi-turn session and print what each turn kept."""
+    from .demo import demo_policy, run_demo
 
-    for row in run_demo(model, budget=budget, window=window, max_new_tokens=max_new_tokens):
+    for row in run_demo(model, demo_policy(policy, budget, window), db, max_new_tokens):
         if as_json:
             click.echo(json.dumps(row))
+        elif row.get("event") == "session":
+            click.echo(f"session {row['session_id']} (policy {row['policy']}) stored in {row['store']}")
+        elif row.get("event") == "verified":
+            click.echo(f"hash chain {'intact' if row['hash_chain_ok'] else 'BROKEN: ' + str(row['problems'])}; "
+                       f"reopen with Session.open({row['session_id']!r})")
         else:
+            roles = ", ".join(f"{r} {v:.0%}" for r, v in row["kept_per_role"].items())
             click.echo(
-                f"turn {row['turn']}: context {row['context_tokens']} tok, cache {row['cache_before']} -> "
-                f"{row['cache_after']} per layer (pinned kept {row['pinned_kept']}/{row['pinned_total']}), "
-                f"compression {row['compression_ms']:.1f} ms, prefill {row['prefill_ms']:.0f} ms\n"
+                f"turn {row['turn']}: context {row['context_tokens']} tok -> cache {row['cache_after']} per layer/head; "
+                f"kept {roles}; compression {row['compression_ms']:.1f} ms; "
+                f"re-prefill {'yes' if row['reprefill'] else 'no'}\n"
                 f"  user: {row['user']}\n  assistant: " + row["reply"].replace("\n", "\n             ")
             )
 

@@ -12,12 +12,13 @@ import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from .chat import ChatFormatter, Message, TemplateError
-from .errors import ConfigError, SnapKVError
+from .errors import ConfigError
 from .generation import GenerationConfig
 from .models import load_model
 from .policy import ROLES, Policy
@@ -25,6 +26,7 @@ from .report import CompressionReport
 from .runner import ModelRunner
 from .store import SessionStore, StoreError
 from .store.blobs import pack_positions
+from .store.tokens import TokenCounter
 
 _MODELS: dict[str, tuple] = {}  # name -> (model, tokenizer), loaded once per process
 
@@ -62,6 +64,15 @@ def _runner_for(model) -> tuple[ModelRunner, str]:
             _MODELS[model] = load_model(model)
         return ModelRunner(*_MODELS[model]), model
     raise ConfigError("model", type(model).__name__, "must be a model name, (model, tokenizer) or a ModelRunner")
+
+
+def _counter_for(tokenizer) -> TokenCounter | None:
+    """The torch-free counter built from the model's tokenizer.json, when the tokenizer came from a folder."""
+    folder = Path(str(getattr(tokenizer, "name_or_path", "")))
+    try:
+        return TokenCounter.from_model_dir(folder)
+    except (FileNotFoundError, OSError, ValueError):
+        return None
 
 
 def _ranges(flags: list[bool], offset: int) -> list[list[int]]:
@@ -104,6 +115,7 @@ class Session:
         self.model_id = model_id
         self.on_pending = on_pending
         self.formatter = ChatFormatter(self.tokenizer)
+        self.counter = _counter_for(self.tokenizer)
         self.recovered: Reply | None = None
         self._reset()
 
@@ -168,17 +180,22 @@ class Session:
         """Problems in the stored hash chain (empty when intact)."""
         return self.store.verify(self.id)
 
+    def count_tokens(self, text: str) -> int:
+        """Content tokens of ``text`` (tiktoken over the model's own vocabulary; Hugging Face otherwise)."""
+        if self.counter is not None:
+            return self.counter.count(text)
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _admit(self, message: Message) -> None:
         limits = self.policy.limits
         if limits.max_document_tokens is None and limits.max_session_tokens is None:
             return
-        n = len(self.tokenizer(message.content, add_special_tokens=False)["input_ids"])
+        n = self.count_tokens(message.content)
         if message.role == "document" and limits.max_document_tokens is not None and n > limits.max_document_tokens:
             raise AdmissionError("limits.max_document_tokens", limits.max_document_tokens,
                                  f"document {message.name!r} has {n} tokens")
         if limits.max_session_tokens is not None:
-            total = n + sum(len(self.tokenizer(m.content, add_special_tokens=False)["input_ids"])
-                            for m in self.messages())
+            total = n + sum(self.count_tokens(m.content) for m in self.messages())
             if total > limits.max_session_tokens:
                 raise AdmissionError("limits.max_session_tokens", limits.max_session_tokens,
                                      f"the session would hold {total} content tokens")
@@ -305,6 +322,7 @@ class Session:
         logits, report, kept = self._prefill_compress(ids, pinned, segments)
         self.owners.extend(owners)
         prefill_end = self.state.next_position
+        kept_per_role = self._kept_per_role(kept, prefill_end) if kept is not None else {}
         t_prefill = time.perf_counter()
         tokens: list[int] = []
         emitted = ""
@@ -315,7 +333,7 @@ class Session:
                 yield piece[len(emitted):]
                 emitted = piece
         t_end = time.perf_counter()
-        self._finish(turn, assistant_seq, text, ids, prefill_end, tokens, report, kept, segments, gen,
+        self._finish(turn, assistant_seq, text, ids, prefill_end, tokens, report, kept, kept_per_role, segments, gen,
                      {"prefill_ms": (t_prefill - t_start) * 1e3, "decode_ms": (t_end - t_prefill) * 1e3})
 
     def _prefill_compress(self, ids: list[int], pinned: list[bool], segments: dict):
@@ -330,7 +348,8 @@ class Session:
             kept = [p[0].cpu().numpy() for p in self.state.positions]
         return logits, report, kept
 
-    def _finish(self, turn, assistant_seq, text, ids, prefill_end, tokens, report, kept, segments, gen, timings):
+    def _finish(self, turn, assistant_seq, text, ids, prefill_end, tokens, report, kept, kept_per_role, segments, gen,
+                timings):
         state = self.state
         decode_tokens = state.token_ids[prefill_end:]
         pending = list(state.pending)
@@ -340,7 +359,6 @@ class Session:
         for stop in gen.stop:
             if stop in shown:
                 shown = shown[: shown.index(stop)]
-        kept_per_role = self._kept_per_role(kept) if kept is not None else {}
         timings["compression_ms"] = report.total_ms if report else 0.0
         record = {
             "prefill_tokens": ids, "decode_tokens": decode_tokens, "pending_tokens": pending,
@@ -370,10 +388,11 @@ class Session:
             lo_hi[1] = pos + 1
         return {seq: (a, b) for seq, (a, b) in spans.items()}
 
-    def _kept_per_role(self, kept: list[np.ndarray]) -> dict[str, float]:
-        """Share of each role's context tokens still held, averaged over layers and KV heads."""
+    def _kept_per_role(self, kept: list[np.ndarray], context: int) -> dict[str, float]:
+        """Share of each role's context tokens (the first ``context`` positions) still held after compression,
+        averaged over layers and KV heads."""
         roles = {m.seq: m.role for m in self.messages()}
-        owner_role = np.array([ROLES.index(roles.get(s, "assistant")) for s in self.owners[: self.state.next_position]])
+        owner_role = np.array([ROLES.index(roles.get(s, "assistant")) for s in self.owners[:context]])
         total = np.bincount(owner_role, minlength=len(ROLES)).astype(float)
         held = sum(np.bincount(owner_role[k.reshape(-1)], minlength=len(ROLES)) for k in kept) / (
             len(kept) * kept[0].shape[0])
@@ -429,4 +448,4 @@ class Session:
         self.turns_applied = rec["turn"]
 
 
-__all__ = ["AdmissionError", "Reply", "Session", "SnapKVError"]
+__all__ = ["AdmissionError", "Reply", "Session"]

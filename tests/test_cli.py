@@ -16,11 +16,16 @@ from snapkv_sessions.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_json(smollm2):
-    res = CliRunner().invoke(main, ["demo", "--json", "--max-new-tokens", "8", "--budget", "120"])
+def test_demo_json(smollm2, tmp_path):
+    db = f"sqlite:///{tmp_path / 'demo.db'}"
+    res = CliRunner().invoke(main, ["demo", "--json", "--max-new-tokens", "8", "--budget", "120", "--db", db])
     assert res.exit_code == 0, res.output
-    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    head, rows, tail = lines[0], lines[1:-1], lines[-1]
+    assert head["event"] == "session" and str(tmp_path / "demo.db") in head["store"]
+    assert tail == {"event": "verified", "session_id": head["session_id"], "hash_chain_ok": True, "problems": []}
     assert [r["turn"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["kept_per_role"]["system"] == 1.0 and r["reprefill"] is False for r in rows)
     assert all(r["cache_after"] == 120 for r in rows)
     assert all(r["pinned_kept"] == r["pinned_total"] > 10 for r in rows)
     contexts = [r["context_tokens"] for r in rows]

@@ -220,6 +220,8 @@ def test_admission_limits_checked_before_storing(smollm2, tmp_path):
     with pytest.raises(AdmissionError, match=r"^limits.max_document_tokens=50: document 'parcels' has \d+ tokens"):
         session.add_document(DOC, name="parcels")
     assert store.messages(session.id) == []
+    assert session.counter is not None and session.counter.backend == "tiktoken"
+    assert session.count_tokens(DOC) == len(session.tokenizer(DOC, add_special_tokens=False)["input_ids"])
 
 
 def test_openai_style_messages(smollm2, tmp_path):
