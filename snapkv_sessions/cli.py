@@ -28,9 +28,13 @@ def clean_errors(fn):
 @click.version_option(package_name="snapkv-sessions")
 def main() -> None:
     """Recoverable per-turn SnapKV sessions over a local Hugging Face causal LM."""
+
+
+def quiet_loaders() -> None:
+    """A CLI prints its own figures; the model loaders' progress bars only clutter them."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # a CLI prints its own figures; loaders' bars only clutter them
+    hf_logging.disable_progress_bar()
 
 
 @main.command()
@@ -46,6 +50,7 @@ def demo(model, policy, budget, window, max_new_tokens, db, as_json) -> None:
     """Run a scripted multi-turn session and print what each turn kept."""
     from .demo import demo_policy, run_demo
 
+    quiet_loaders()
     for row in run_demo(model, demo_policy(policy, budget, window), db, max_new_tokens):
         if as_json:
             click.echo(json.dumps(row))
@@ -83,6 +88,7 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
     from .bench import overhead
     from .config import CompressionConfig
 
+    quiet_loaders()
     try:
         sizes = [int(x) for x in lengths.split(",") if x.strip()]
     except ValueError:
@@ -94,6 +100,80 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
     click.echo(json.dumps(result, indent=2))
     if not as_json:
         click.echo(overhead.table(result), err=False)
+
+
+@main.group()
+def sessions() -> None:
+    """Inspect stored sessions (no model, no torch)."""
+
+
+def _store(db: str | None):
+    from .store import SessionStore
+
+    return SessionStore(db)
+
+
+def _jsonable(obj):
+    import datetime
+
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items() if not isinstance(v, (bytes, bytearray))}
+    if isinstance(obj, list):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, datetime.datetime):
+        return obj.isoformat()
+    return obj
+
+
+@sessions.command("list")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@clean_errors
+def sessions_list(db, as_json) -> None:
+    """List sessions: id, model, policy, turns, messages."""
+    rows = [{k: r[k] for k in ("id", "created_at", "model_id", "title", "turns_done", "messages")}
+            for r in _store(db).list_sessions()]
+    if as_json:
+        click.echo(json.dumps(_jsonable(rows), indent=2))
+        return
+    for r in rows:
+        click.echo(f"{r['id']}  {r['created_at']:%Y-%m-%d %H:%M}  turns {r['turns_done']:>3}  "
+                   f"messages {r['messages']:>3}  {r['model_id']}  {r['title'] or ''}")
+
+
+@sessions.command("show")
+@click.argument("session_id")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@clean_errors
+def sessions_show(session_id, db, as_json) -> None:
+    """Show a session's messages with their token spans, and check its hash chain."""
+    store = _store(db)
+    data = store.export(session_id)
+    data["hash_chain_problems"] = store.verify(session_id)
+    if as_json:
+        click.echo(json.dumps(_jsonable(data), indent=2))
+        return
+    sess = data["session"]
+    click.echo(f"session {sess['id']}  model {sess['model_id']}  turns {sess['turns_done']}  "
+               f"policy {sess['policy_sha256'][:12]}")
+    for m in data["messages"]:
+        span = f"[{m['token_start']}, {m['token_end']})" if m["token_start"] is not None else "[not fed]"
+        flag = " (abandoned)" if m["status"] != "active" else ""
+        text = m["content"].replace("\n", " ")
+        click.echo(f"{m['seq']:>4} {m['role']:<11} {span:<14} {text[:80]}{flag}")
+    problems = data["hash_chain_problems"]
+    click.echo("hash chain intact" if not problems else "hash chain BROKEN: " + "; ".join(problems))
+
+
+@sessions.command("delete")
+@click.argument("session_id")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@clean_errors
+def sessions_delete(session_id, db) -> None:
+    """Delete a session and everything recorded for it."""
+    _store(db).delete_session(session_id)
+    click.echo(f"deleted {session_id}")
 
 
 @main.command("resolve")

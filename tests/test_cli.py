@@ -60,3 +60,23 @@ def test_engine_quickstart_example(smollm2):
     assert kept == total > 0
     position, slots = map(int, re.search(r"next true position: (\d+) \| slots held per layer: (\d+)", out).groups())
     assert slots >= 128 and position > before + slots - 128  # true positions run past the compressed length
+
+
+def test_sessions_list_and_show_without_torch(smollm2, tmp_path):
+    db = f"sqlite:///{tmp_path / 'cli.db'}"
+    res = CliRunner().invoke(main, ["demo", "--json", "--max-new-tokens", "4", "--db", db])
+    assert res.exit_code == 0, res.output
+    sid = json.loads(res.output.splitlines()[0])["session_id"]
+    code = ("import json, sys; from click.testing import CliRunner; from snapkv_sessions.cli import main; "
+            f"r = CliRunner().invoke(main, ['sessions', 'list', '--json', '--db', {db!r}]); "
+            f"s = CliRunner().invoke(main, ['sessions', 'show', {sid!r}, '--db', {db!r}]); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(r.output); print('@@'); print(s.output)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    listed, shown = out.split("@@")
+    (row,) = json.loads(listed)
+    assert row["id"] == sid and row["turns_done"] == 4 and row["messages"] == 10
+    lines = shown.strip().splitlines()
+    assert lines[0].startswith(f"session {sid}") and lines[-1] == "hash chain intact"
+    assert [line.split()[1] for line in lines[1:-1]] == ["system", "document"] + ["user", "assistant"] * 4
+    res = CliRunner().invoke(main, ["sessions", "show", "nope", "--db", db])
+    assert res.exit_code == 1 and res.output.startswith("Error: session_id='nope': no such session")
