@@ -80,3 +80,14 @@ def test_sessions_list_and_show_without_torch(smollm2, tmp_path):
     assert [line.split()[1] for line in lines[1:-1]] == ["system", "document"] + ["user", "assistant"] * 4
     res = CliRunner().invoke(main, ["sessions", "show", "nope", "--db", db])
     assert res.exit_code == 1 and res.output.startswith("Error: session_id='nope': no such session")
+
+
+def test_session_quickstart_example(smollm2, tmp_path):
+    db = f"sqlite:///{tmp_path / 'ex.db'}"
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "session_quickstart.py"), db],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    roles = [json.loads(m.replace("'", '"')) for m in re.findall(r"kept per role: (\{[^}]*\})", out)]
+    assert len(roles) == 2
+    assert all(r["system"] == r["developer"] == r["tool_schema"] == 1.0 for r in roles)
+    assert re.search(r"cache (\d+) -> 256 ", out)
+    assert re.search(r"hash chain problems: \[\] \| turns: 2$", out, re.M)
