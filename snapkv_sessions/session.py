@@ -237,14 +237,15 @@ class Session:
                 "top_p": gen.top_p, "seed": gen.seed, "stop": list(gen.stop)}
 
     def _run(self, turn: int, user_seq: int, gen: GenerationConfig) -> Iterator[str]:
-        done = False
         try:
             yield from self._compute(turn, user_seq, gen)
-            done = True
-        finally:
-            if not done:  # an error or an abandoned stream: no half turn; the cache is rebuilt on next use
-                self.store.abandon_turn(self.id, turn, reason="interrupted before the reply was committed")
-                self._reset()
+        except BaseException as exc:  # an error or an abandoned stream: no half turn
+            if isinstance(exc, Exception):
+                self.store.add_event(self.id, "error", {"type": type(exc).__name__, "message": str(exc)}, turn=turn)
+            reason = "stream closed before the reply" if isinstance(exc, GeneratorExit) else type(exc).__name__
+            self.store.abandon_turn(self.id, turn, reason=reason)
+            self._reset()  # the cache may hold part of the turn; it is rebuilt from the store on next use
+            raise
 
     def _active_messages(self, up_to_seq: int | None = None) -> list[Message]:
         msgs = self.messages()

@@ -211,6 +211,8 @@ def test_pins_over_budget_abandon_the_turn_cleanly(smollm2, tmp_path):
     with pytest.raises(BudgetError, match="pinned positions do not fit"):
         session.chat(QUESTIONS[0], max_new_tokens=4)
     assert [t["status"] for t in store.turns(session.id)] == ["abandoned"]
+    assert [e["kind"] for e in store.events(session.id)] == ["error", "abandoned"]
+    assert store.events(session.id)[0]["payload"]["type"] == "BudgetError"
     assert store.verify(session.id) == []
 
 
