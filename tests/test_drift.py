@@ -1,0 +1,119 @@
+"""Task-shift detection and exact recovery by re-prefill from the store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from snapkv_sessions import Session, SessionStore
+from snapkv_sessions.drift import WorkingSet, evidence_missing, key_terms, make_embedder
+
+DOC = " ".join(f"Parcel {1000 + i} goes to {name}." for i, name in enumerate(
+    ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]))
+SYSTEM = "Be brief."
+POLICY = {"compression": {"budget": 64, "window": 8}, "pins": {"roles": ["system"], "sink_tokens": 4},
+          "drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"}}
+
+
+def test_paraphrase_scores_low_new_task_high():
+    emb = make_embedder("minilm")
+    ws = WorkingSet(emb.dim)
+    ws.add("q", emb.embed(["Who is the courier for parcel 1003?"])[0])
+    follow = ws.drift(emb.embed(["And which courier handles parcel 1003, again?"])[0])
+    shifts = [ws.drift(v) for v in emb.embed(["Summarise the document in one sentence.",
+                                              "Copy the third line exactly.", "What rule was stated at the top?"])]
+    assert follow < 0.2 and min(shifts) > 0.6
+    assert ws.drift(emb.embed(["Who is the courier for parcel 1003?"])[0]) == pytest.approx(0.0, abs=1e-5)
+    assert WorkingSet(emb.dim).drift(emb.embed(["x"])[0]) is None
+
+
+def test_key_terms_and_evidence_check():
+    assert key_terms("Who is the courier for parcel 1010 and for Ada?") == ["1010", "Ada"]
+    assert key_terms("Summarise the document.") == []
+    context = "Parcel 1003 goes to Ada. Parcel 1010 goes to Kai."
+    char_pos = np.arange(len(context))  # one "token" per character, for the test
+    occ_1010 = context.index("1010")
+    kept_all = [np.arange(len(context))[None].repeat(2, 0)]  # (Hkv=2, K) everything kept
+    assert evidence_missing(["1010"], context, char_pos, kept_all) == []
+    evicted = np.array([p for p in range(len(context)) if not occ_1010 <= p < occ_1010 + 4])
+    kept = [evicted[None].repeat(2, 0), evicted[None].repeat(2, 0)]  # 2 layers x 2 heads without 1010
+    assert evidence_missing(["1010", "1003", "9999"], context, char_pos, kept) == ["1010"]
+    # held by exactly half of the layer/head pairs: not more than the quorum, still a miss
+    kept_half = [np.arange(len(context))[None].repeat(2, 0), evicted[None].repeat(2, 0)]
+    assert evidence_missing(["1010"], context, char_pos, kept_half) == ["1010"]
+
+
+def chat_all(session: Session, questions: list[str]) -> list:
+    return [session.chat(q, max_new_tokens=8) for q in questions]
+
+
+def test_forced_shift_triggers_exactly_one_reprefill(smollm2, tmp_path):
+    store = SessionStore(f"sqlite:///{tmp_path / 'd.db'}")
+    session = Session.create(smollm2, policy=POLICY, store=store, system=SYSTEM)
+    session.add_document(DOC, name="parcels")
+    chat_all(session, ["Who gets parcel 1003?", "Who gets parcel 1003, again?", "Who gets parcel 1010?",
+                       "Who gets parcel 1010, once more?"])
+    decisions = [t["drift_decision"] for t in store.turns(session.id)]
+    assert decisions == ["n/a", "kept", "reprefill", "kept"]
+    reprefills = [e for e in store.events(session.id) if e["kind"] == "reprefill"]
+    assert len(reprefills) == 1 and reprefills[0]["turn"] == 3
+    assert reprefills[0]["payload"]["missing_terms"] == ["1010"] and reprefills[0]["payload"]["tokens_reprefilled"] > 200
+
+
+def test_reprefill_equals_fresh_session_and_pins_survive(smollm2, tmp_path):
+    store = SessionStore(f"sqlite:///{tmp_path / 'e.db'}")
+    session = Session.create(smollm2, policy=POLICY, store=store, system=SYSTEM)
+    session.add_document(DOC, name="parcels")
+    chat_all(session, ["Who gets parcel 1003?", "Who gets parcel 1003, again?"])
+    history = [{"role": m.role, "content": m.content, "name": m.name} for m in session.messages()]
+    shifted = session.chat("Summarise the document in one sentence.", max_new_tokens=12)
+    assert store.turns(session.id)[-1]["drift_decision"] == "reprefill"
+
+    fresh = Session.create(smollm2, policy=POLICY, store=store, history=history)
+    reference = fresh.chat("Summarise the document in one sentence.", max_new_tokens=12)
+    assert store.turns(fresh.id)[-1]["drift_decision"] == "n/a"
+    assert shifted.token_ids == reference.token_ids and shifted.text == reference.text
+    assert session.state.token_ids == fresh.state.token_ids
+    for layer, (a, b) in enumerate(zip(session.state.cache.layers, fresh.state.cache.layers, strict=True)):
+        assert torch.equal(session.state.positions[layer], fresh.state.positions[layer])
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+    system_positions = set(range(*next((m["token_start"], m["token_end"]) for m in store.messages(session.id)
+                                       if m["role"] == "system")))
+    assert len(system_positions) > 5
+    for layer in range(session.runner.num_layers):
+        for head in range(session.runner.num_kv_heads):
+            assert system_positions <= set(session.state.kept_positions(layer, head))
+    # reopening replays the re-prefill turn exactly
+    again = Session.open(session.id, model=smollm2, store=store)
+    for a, b in zip(session.state.positions, again.state.positions, strict=True):
+        assert torch.equal(a, b)
+    assert again.drift._queued == ["Summarise the document in one sentence."]
+
+
+@pytest.mark.parametrize(("drift", "recovery", "expected"), [
+    ({"action": "warn"}, {}, "warn"),
+    ({"action": "never"}, {}, "ignored"),
+    ({"action": "reprefill"}, {"max_reprefills": 0}, "limited"),
+    ({"embedder": "none"}, {}, "n/a"),
+])
+def test_drift_actions_and_limits(smollm2, tmp_path, drift, recovery, expected):
+    policy = {**POLICY, "drift": {**POLICY["drift"], **drift}, "recovery": recovery}
+    store = SessionStore(f"sqlite:///{tmp_path / 'f.db'}")
+    session = Session.create(smollm2, policy=policy, store=store, system=SYSTEM)
+    session.add_document(DOC, name="parcels")
+    chat_all(session, ["Who gets parcel 1003?", "Summarise the document in one sentence."])
+    assert store.turns(session.id)[-1]["drift_decision"] == expected
+    assert not any(e["kind"] == "reprefill" for e in store.events(session.id))
+
+
+def test_model_embedder_fallback(smollm2):
+    model, tok = smollm2
+    emb = make_embedder("model", model, tok)
+    vecs = emb.embed(["Who gets parcel 1003?", "Who gets parcel 1003?", "Summarise the document."])
+    assert vecs.shape == (3, model.config.hidden_size)
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, rtol=1e-5)
+    ws = WorkingSet(emb.dim)
+    ws.add("q", vecs[0])
+    assert ws.drift(vecs[1]) == pytest.approx(0.0, abs=1e-5) and ws.drift(vecs[2]) > 0.01
