@@ -122,17 +122,23 @@ class WorkingSet:
         return float(1.0 - sims[0, 0])
 
 
-KEY_TERM = re.compile(r"\b(?:[A-Za-z_-]*\d[\w.-]*|[A-Z][a-z]+(?:[A-Z][a-z]+)*)\b")
+# Identifiers with a digit (EMP-0412, 1003, v2.1) and runs of capitalised words (Chen Weber).
+KEY_TERM = re.compile(r"\b(?:[A-Za-z_-]*\d[\w.-]*|[A-Z][a-z]+(?:[ \t]+[A-Z][a-z]+)*)\b")
 STOP_CAPS = {"Who", "What", "Which", "When", "Where", "Why", "How", "And", "The", "Is", "Are", "Does", "Do", "Can",
-             "Please", "Give", "List", "Tell", "Copy", "Summarise", "Summarize", "Quote", "Thanks", "Now", "Then"}
+             "Please", "Give", "List", "Tell", "Copy", "Summarise", "Summarize", "Quote", "Thanks", "Now", "Then",
+             "Repeat", "Follow", "In", "For", "Of", "Answer", "Write", "Explain", "Say", "Show", "Find", "I", "You",
+             "It", "This", "That", "Also", "Again", "Ok", "Okay", "Yes", "No"}
 
 
 def key_terms(query: str) -> list[str]:
-    """Identifiers, numbers and capitalised names in ``query`` (question words left out)."""
+    """Identifiers, numbers and capitalised names in ``query`` (question and filler words left out)."""
     seen: list[str] = []
     for match in KEY_TERM.finditer(query):
-        term = match.group(0).strip(".-")
-        if term and term not in STOP_CAPS and term not in seen:
+        words = match.group(0).strip(".-").split()
+        while words and words[0] in STOP_CAPS:  # "Thanks Priya" -> "Priya"
+            words = words[1:]
+        term = " ".join(words)
+        if term and term not in seen:
             seen.append(term)
     return seen
 
@@ -146,7 +152,8 @@ def evidence_missing(terms: list[str], context: str, char_positions: np.ndarray,
     context : the rendered conversation the cache was built from
     char_positions : (len(context),) int, true position of the token covering each character (-1: none)
     kept : per layer, (Hkv, K) kept true positions
-    quorum : an occurrence counts as kept when more than this share of the layer/head pairs hold one of its tokens
+    quorum : an occurrence counts as kept when more than this share of the layer/head pairs hold all its tokens
+        (one token of it kept by chance is not evidence: at a 30% budget most short spans have one)
     """
     pairs = sum(k.shape[0] for k in kept)
     missing = []
@@ -158,7 +165,8 @@ def evidence_missing(terms: list[str], context: str, char_positions: np.ndarray,
         for start, end in occurrences:
             positions = np.unique(char_positions[start:end])
             positions = positions[positions >= 0]
-            holding = sum(int(np.isin(k, positions).any(axis=-1).sum()) for k in kept)  # layer/head pairs
+            # layer/head pairs holding every token of this occurrence
+            holding = sum(int((np.isin(k, positions).sum(axis=-1) == len(positions)).sum()) for k in kept)
             if holding > quorum * pairs:
                 covered = True
                 break
