@@ -203,6 +203,118 @@ def sessions_delete(session_id, db) -> None:
     click.echo(f"deleted {session_id}")
 
 
+@sessions.command("export")
+@click.argument("session_id")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@clean_errors
+def sessions_export(session_id, db) -> None:
+    """Export a session (messages, turns, events) as JSON."""
+    click.echo(json.dumps(_jsonable(_store(db).export(session_id)), indent=2))
+
+
+def _fmt(value, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _replay_table(rows: list[dict]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=None, box=None, pad_edge=False)
+    cols = ["turn", "context", "kept", "system", "developer", "tool_schema", "document", "user", "assistant",
+            "layer min..max", "drift", "decision", "comp ms", "prefill ms", "decode ms", "KV bytes"]
+    for col in cols:
+        table.add_column(col, justify="right" if col not in ("decision",) else "left")
+    for r in rows:
+        roles = r["kept_per_role"]
+        kept = _fmt(r["kept_min"]) if r["kept_min"] == r["kept_max"] else f"{r['kept_min']}..{r['kept_max']}"
+        ret = "-" if r["retention_min"] is None else f"{r['retention_min']:.0%}..{r['retention_max']:.0%}"
+        kv = "-" if r["kv_bytes_after"] is None else f"{r['kv_bytes_before']:,}->{r['kv_bytes_after']:,}"
+        decision = r["drift_decision"] if r["status"] == "done" else r["status"]
+        table.add_row(str(r["turn"]), _fmt(r["context_tokens"]), kept,
+                      *[("-" if k not in roles else f"{roles[k]:.0%}") for k in cols[3:9]], ret,
+                      _fmt(r["drift_score"], ".3f"), decision or "-", _fmt(r["compression_ms"], ".1f"),
+                      _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), kv)
+    console = Console(width=200, record=True, color_system=None, highlight=False, soft_wrap=True)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get().rstrip()
+
+
+def _detail_text(detail: dict) -> str:
+    lines = [f"turn {detail['turn']} ({detail['status']}): drift {_fmt(detail['drift_score'], '.3f')}, "
+             f"decision {detail['drift_decision']}"]
+    for e in detail["events"]:
+        if e["kind"] in ("drift", "reprefill", "error", "abandoned", "recovered"):
+            lines.append(f"  event {e['kind']}: {json.dumps(e['payload'], sort_keys=True)}")
+    if not detail["layers"]:
+        lines.append("  no compression this turn (the cache fit its budget)")
+        return "\n".join(lines)
+    lines.append("  kept / context tokens per message, min..max over layers and KV heads:")
+    for m in detail["messages"]:
+        held = [h["per_message"][m["seq"]]["kept"] for layer in detail["layers"] for h in layer]
+        size = m["end"] - m["start"]
+        lines.append(f"    msg {m['seq']:>3} {m['role']:<11} positions [{m['start']}, {m['end']}): kept "
+                     f"{min(held)}..{max(held)} of {size}")
+    return "\n".join(lines)
+
+
+@main.command("replay")
+@click.argument("session_id")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@click.option("--turn", type=int, default=None, help="Detail one turn: kept positions mapped to messages.")
+@click.option("--verify", "do_verify", is_flag=True, help="Check the hash chain, then re-execute and compare.")
+@click.option("--against", type=click.Choice(["full"]), default=None, help="Fidelity audit against a full cache.")
+@click.option("--plot", "plot_path", default=None, help="Write a retention heatmap and drift timeline PNG.")
+@click.option("--model", default=None, help="Model for --verify/--against (default: the session's).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@clean_errors
+def replay(session_id, db, turn, do_verify, against, plot_path, model, as_json) -> None:
+    """Audit a session: per-turn retention, drift and timings; verify or compare re-executions."""
+    from . import audit
+
+    store = _store(db)
+    store.get_session(session_id)
+    if do_verify:
+        quiet_loaders()
+        result = audit.verify(store, session_id, model)
+        payload = {"ok": result.ok, "turns_checked": result.turns_checked,
+                   "mismatch": None if result.mismatch is None else {
+                       "turn": result.mismatch.turn, "field": result.mismatch.field,
+                       "recorded": result.mismatch.expected, "reexecuted": result.mismatch.got}}
+        click.echo(json.dumps(payload, indent=2) if as_json else (
+            f"verified: hash chain intact, {result.turns_checked} turns re-executed identically" if result.ok
+            else f"MISMATCH {result.mismatch}"))
+        if not result.ok:
+            raise SystemExit(1)
+        return
+    if against == "full":
+        quiet_loaders()
+        rows = audit.against_full(store, session_id, model)
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                first = ("identical" if r["first_divergence"] is None
+                         else f"first divergence at token {r['first_divergence']}")
+                click.echo(f"turn {r['turn']}: {r['tokens']} tokens, match {r['match_rate']:.0%}, {first}"
+                           f"{'' if r['compressed'] else ' (uncompressed turn)'}")
+        return
+    if plot_path:
+        from .policy import Policy
+
+        threshold = Policy.from_yaml(store.get_session(session_id)["policy_json"]).drift.threshold
+        shown = audit.plot(store, session_id, plot_path, turn=turn, threshold=threshold)
+        click.echo(json.dumps({"plot": plot_path, "turn": shown}) if as_json else f"wrote {plot_path} (turn {shown})")
+        return
+    if turn is not None:
+        detail = audit.turn_detail(store, session_id, turn)
+        click.echo(json.dumps(_jsonable(detail), indent=2) if as_json else _detail_text(detail))
+        return
+    rows = audit.turn_rows(store, session_id)
+    click.echo(json.dumps(_jsonable(rows), indent=2) if as_json else _replay_table(rows))
+
+
 @main.command("resolve")
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

@@ -76,6 +76,17 @@ def _counter_for(tokenizer) -> TokenCounter | None:
         return None
 
 
+def _runs(owners: list[int]) -> list[list[int]]:
+    """[[message seq, first position, end position], ...] run-length form of a position -> message map."""
+    out: list[list[int]] = []
+    for pos, seq in enumerate(owners):
+        if out and out[-1][0] == seq and out[-1][2] == pos:
+            out[-1][2] = pos + 1
+        else:
+            out.append([seq, pos, pos + 1])
+    return out
+
+
 def _ranges(flags: list[bool], offset: int) -> list[list[int]]:
     """[[start, end), ...] true-position ranges where ``flags`` is set."""
     out, start = [], None
@@ -427,6 +438,7 @@ class Session:
             if stop in shown:
                 shown = shown[: shown.index(stop)]
         timings["compression_ms"] = report.total_ms if report else 0.0
+        segments["owners"] = _runs(self.owners[:prefill_end])  # position -> message map of this turn's context
         record = {
             "prefill_tokens": ids, "decode_tokens": decode_tokens, "pending_tokens": pending,
             "segments": segments, "tokens_in": len(ids), "tokens_out": len(tokens),

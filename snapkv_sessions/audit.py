@@ -1,0 +1,274 @@
+"""Session audits: what each turn kept and evicted, why re-prefills happened, and whether it reproduces.
+
+The summary functions read the store only (no torch); :func:`verify` and :func:`against_full` re-execute the
+session with the model. The ``replay`` CLI command is a thin layer over this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .policy import ROLES, Policy
+from .store import SessionStore
+from .store.blobs import unpack_positions
+
+
+def _role_of(store: SessionStore, session_id: str) -> dict[int, str]:
+    return {m["seq"]: m["role"] for m in store.messages(session_id)}
+
+
+def turn_rows(store: SessionStore, session_id: str) -> list[dict]:
+    """One row per turn: context, kept tokens, kept share per role, retention, drift, timings, KV bytes."""
+    events = store.events(session_id)
+    rows = []
+    for t in store.turns(session_id):
+        comp = t["compression"] or {}
+        timings = t["timings"] or {}
+        owners = (t["segments"] or {}).get("owners") or []
+        context = owners[-1][2] if owners else None
+        reason = next((e["payload"] for e in events if e["turn"] == t["turn"] and e["kind"] == "reprefill"), None)
+        rows.append({
+            "turn": t["turn"], "status": t["status"], "tokens_in": t["tokens_in"], "tokens_out": t["tokens_out"],
+            "context_tokens": context,
+            "kept_min": min(comp["tokens_after"]) if comp else context,
+            "kept_max": max(comp["tokens_after"]) if comp else context,
+            "kept_per_role": t["kept_per_role"] or {},
+            "retention_min": (t["retention"] or {}).get("min_share"),
+            "retention_max": (t["retention"] or {}).get("max_share"),
+            "drift_score": t["drift_score"], "drift_decision": t["drift_decision"],
+            "reprefill": reason,
+            "compression_ms": timings.get("compression_ms"), "prefill_ms": timings.get("prefill_ms"),
+            "decode_ms": timings.get("decode_ms"),
+            "kv_bytes_before": comp.get("kv_bytes_before"), "kv_bytes_after": comp.get("kv_bytes_after"),
+        })
+    return rows
+
+
+def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
+    """Kept positions of one turn, per layer and KV head, mapped back to messages and roles."""
+    rec = next((t for t in store.turns(session_id) if t["turn"] == turn), None)
+    if rec is None:
+        from .store import StoreError
+
+        raise StoreError(f"turn={turn}: no such turn in session {session_id!r}")
+    roles = _role_of(store, session_id)
+    owners = (rec["segments"] or {}).get("owners") or []
+    messages = [{"seq": seq, "role": roles.get(seq, "assistant"), "start": a, "end": b} for seq, a, b in owners]
+    out = {"turn": turn, "status": rec["status"], "drift_score": rec["drift_score"],
+           "drift_decision": rec["drift_decision"], "messages": messages, "layers": [],
+           "events": [e for e in store.events(session_id) if e["turn"] == turn]}
+    if rec["kept_positions"] is None:
+        return out
+    for kept in unpack_positions(rec["kept_positions"]):
+        heads = []
+        for head_positions in kept:
+            per_msg = {}
+            for m in messages:
+                held = int(((head_positions >= m["start"]) & (head_positions < m["end"])).sum())
+                per_msg[m["seq"]] = {"kept": held, "evicted": (m["end"] - m["start"]) - held}
+            heads.append({"kept_positions": head_positions.tolist(), "per_message": per_msg})
+        out["layers"].append(heads)
+    return out
+
+
+def retention_matrix(store: SessionStore, session_id: str, turn: int) -> tuple[np.ndarray, list[str]]:
+    """(layers, context) share of KV heads holding each position after ``turn``'s compression; role per position."""
+    rec = next(t for t in store.turns(session_id) if t["turn"] == turn)
+    roles = _role_of(store, session_id)
+    owners = rec["segments"]["owners"]
+    context = owners[-1][2]
+    role_at = [""] * context
+    for seq, a, b in owners:
+        role_at[a:b] = [roles.get(seq, "assistant")] * (b - a)
+    kept = unpack_positions(rec["kept_positions"])
+    mat = np.zeros((len(kept), context))
+    for layer, per_head in enumerate(kept):
+        for head_positions in per_head:
+            mat[layer, head_positions[head_positions < context]] += 1.0 / per_head.shape[0]
+    return mat, role_at
+
+
+ROLE_COLOURS = {"system": "#d62728", "developer": "#ff7f0e", "tool_schema": "#9467bd", "document": "#1f77b4",
+                "user": "#2ca02c", "assistant": "#7f7f7f", "tool": "#8c564b"}
+
+
+def plot(store: SessionStore, session_id: str, path: str, turn: int | None = None, threshold: float | None = None) -> int:
+    """Retention heatmap (layer x position, role spans coloured) and drift timeline, as a PNG. Returns the turn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    turns = [t for t in store.turns(session_id) if t["kept_positions"] is not None]
+    if not turns:
+        from .store import StoreError
+
+        raise StoreError(f"session_id={session_id!r}: no compressed turn to plot")
+    turn = turn if turn is not None else turns[-1]["turn"]
+    mat, role_at = retention_matrix(store, session_id, turn)
+    fig, (ax_heat, ax_roles, ax_drift) = plt.subplots(
+        3, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [6, 0.5, 2.5]}, constrained_layout=True)
+    im = ax_heat.imshow(mat, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+    ax_heat.set_ylabel("layer")
+    ax_heat.set_title(f"session {session_id[:8]}: share of KV heads keeping each position after turn {turn}")
+    fig.colorbar(im, ax=ax_heat, fraction=0.02)
+    colours = [matplotlib.colors.to_rgb(ROLE_COLOURS.get(r, "#000000")) for r in role_at]
+    ax_roles.imshow(np.array(colours)[None], aspect="auto", interpolation="nearest")
+    ax_roles.set_yticks([])
+    ax_roles.set_xlabel("true position")
+    present = [r for r in ROLES if r in set(role_at)]
+    ax_roles.legend(handles=[Patch(color=ROLE_COLOURS[r], label=r) for r in present], ncol=len(present),
+                    loc="upper center", bbox_to_anchor=(0.5, -1.2), fontsize=8, frameon=False)
+    rows = turn_rows(store, session_id)
+    xs = [r["turn"] for r in rows if r["drift_score"] is not None]
+    ys = [r["drift_score"] for r in rows if r["drift_score"] is not None]
+    ax_drift.plot(xs, ys, marker="o", color="#1f77b4", label="drift score")
+    re_x = [r["turn"] for r in rows if r["drift_decision"] == "reprefill"]
+    re_y = [r["drift_score"] for r in rows if r["drift_decision"] == "reprefill"]
+    ax_drift.scatter(re_x, re_y, s=120, facecolors="none", edgecolors="#d62728", label="re-prefill")
+    if threshold is not None:
+        ax_drift.axhline(threshold, color="#d62728", linestyle="--", linewidth=1, label="threshold")
+    ax_drift.set_xlabel("turn")
+    ax_drift.set_ylabel("drift")
+    ax_drift.set_xticks([r["turn"] for r in rows])
+    ax_drift.legend(fontsize=8, loc="upper left")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return turn
+
+
+# ---------------------------------------------------------------------- re-execution
+
+
+@dataclass
+class Mismatch:
+    turn: int | None
+    field: str
+    expected: object = None
+    got: object = None
+
+    def __str__(self) -> str:
+        where = f"turn {self.turn}" if self.turn is not None else "session"
+        return f"{where}: {self.field} differs (recorded {self.expected!r}, re-executed {self.got!r})"
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    turns_checked: int = 0
+    mismatch: Mismatch | None = None
+    chain_problems: list[str] = field(default_factory=list)
+
+
+def verify(store: SessionStore, session_id: str, model=None) -> VerifyResult:
+    """Hash chain, policy hashes, then a re-execution from the raw store compared turn by turn.
+
+    The first difference is reported: a reply, a kept-position set, a drift decision or the prefill tokens.
+    """
+    problems = store.verify(session_id)
+    if problems:
+        return VerifyResult(False, 0, Mismatch(None, "hash_chain", None, problems[0]), problems)
+    sess = store.get_session(session_id)
+    policy = Policy.from_yaml(sess["policy_json"])
+    if policy.sha256 != sess["policy_sha256"]:
+        return VerifyResult(False, 0, Mismatch(None, "policy", sess["policy_sha256"], policy.sha256))
+    done = store.turns(session_id, status="done")
+    for rec in done:
+        if rec["policy_sha256"] != sess["policy_sha256"]:
+            return VerifyResult(False, 0, Mismatch(rec["turn"], "policy", sess["policy_sha256"], rec["policy_sha256"]))
+    checked = 0
+    for rec, new in _reexecute(store, session_id, policy, model if model is not None else sess["model_id"], done):
+        checked += 1
+        mismatch = _compare(rec, new)
+        if mismatch is not None:
+            return VerifyResult(False, checked, mismatch)
+    return VerifyResult(True, checked)
+
+
+def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done: list[dict]):
+    """Re-run the session in a scratch in-memory store; yields (recorded turn, re-executed turn) pairs."""
+    from .generation import GenerationConfig  # noqa: F401 - the model side is needed from here on
+    from .session import Session
+
+    scratch = SessionStore("sqlite://")
+    session = Session.create(model, policy=policy, store=scratch)
+    by_user = {t["user_seq"]: t for t in done}
+    skip = {t["assistant_seq"] for t in done}
+    for msg in store.messages(session_id):
+        if msg["status"] != "active" or msg["seq"] in skip:
+            continue
+        rec = by_user.get(msg["seq"])
+        if rec is None:
+            scratch.add_message(session.id, msg["role"], msg["content"], msg["name"], msg["pinned"])
+            continue
+        gen = {k: v for k, v in (rec["generation"] or {}).items() if v is not None}
+        session.chat({"role": msg["role"], "content": msg["content"], "name": msg["name"]}, **gen)
+        yield rec, scratch.turns(session.id)[-1]
+
+
+def _compare(rec: dict, new: dict) -> Mismatch | None:
+    turn = rec["turn"]
+    for name in ("prefill_tokens", "drift_decision"):
+        if rec[name] != new[name]:
+            return Mismatch(turn, name, _short(rec[name]), _short(new[name]))
+    if rec["decode_tokens"] + rec["pending_tokens"] != new["decode_tokens"] + new["pending_tokens"]:
+        return Mismatch(turn, "reply", _short(rec["decode_tokens"] + rec["pending_tokens"]),
+                        _short(new["decode_tokens"] + new["pending_tokens"]))
+    if (rec["kept_positions"] is None) != (new["kept_positions"] is None):
+        return Mismatch(turn, "kept_positions", rec["kept_positions"] is not None, new["kept_positions"] is not None)
+    if rec["kept_positions"] is not None:
+        a, b = unpack_positions(rec["kept_positions"]), unpack_positions(new["kept_positions"])
+        if len(a) != len(b):
+            return Mismatch(turn, "kept_positions.layers", len(a), len(b))
+        for layer, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x.shape != y.shape or not np.array_equal(x, y):
+                heads = [h for h in range(min(len(x), len(y))) if not np.array_equal(x[h], y[h])] or [0]
+                return Mismatch(turn, f"kept_positions[layer {layer}, head {heads[0]}]",
+                                _short(x[heads[0]].tolist()), _short(y[heads[0]].tolist()))
+    return None
+
+
+def _short(value, n: int = 8):
+    if isinstance(value, list) and len(value) > n:
+        return value[:n] + ["..."]
+    return value
+
+
+def against_full(store: SessionStore, session_id: str, model=None) -> list[dict]:
+    """Fidelity audit: each turn's reply regenerated with an uncompressed cache, on the recorded history.
+
+    Returns per turn the token match rate (equal tokens at equal indices over the longer reply) and the first
+    divergence (index into the reply, None when identical).
+    """
+    from .chat import ChatFormatter, Message
+    from .generation import GenerationConfig
+    from .session import _runner_for
+
+    sess = store.get_session(session_id)
+    runner, _ = _runner_for(model if model is not None else sess["model_id"])
+    formatter = ChatFormatter(runner.tokenizer)
+    messages = store.messages(session_id, include_abandoned=False)
+    rows = []
+    for rec in store.turns(session_id, status="done"):
+        history = [Message(m["role"], m["content"], m["name"], m["pinned"], m["seq"]) for m in messages
+                   if m["seq"] <= rec["user_seq"]]
+        text, _ = formatter.render(history, generation_prompt=True)
+        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"]
+        state = runner.new_state()
+        logits, _ = runner.prefill(state, ids)
+        gen = {k: (tuple(v) if k == "stop" else v) for k, v in (rec["generation"] or {}).items() if v is not None}
+        full = list(runner.generate(state, logits, GenerationConfig(**gen)))
+        if state.last_stop_reason == "eos":
+            full = full + state.pending
+        recorded = rec["decode_tokens"] + rec["pending_tokens"]
+        longest = max(len(full), len(recorded), 1)
+        same = sum(a == b for a, b in zip(full, recorded, strict=False))
+        first = next((i for i, (a, b) in enumerate(zip(full, recorded, strict=False)) if a != b), None)
+        if first is None and len(full) != len(recorded):
+            first = min(len(full), len(recorded))
+        rows.append({"turn": rec["turn"], "tokens": len(recorded), "match_rate": round(same / longest, 4),
+                     "first_divergence": first, "compressed": rec["kept_positions"] is not None})
+    return rows

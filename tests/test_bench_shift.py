@@ -1,0 +1,51 @@
+"""bench shift: scoring helpers exactly, and one small run end to end on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from snapkv_sessions.bench.shift import CONDITIONS, condition_policy, detector_quality, is_correct, is_degenerate, make_scenario
+from snapkv_sessions.cli import main
+
+
+def test_scenario_is_deterministic_and_labelled():
+    a, b = make_scenario(3), make_scenario(3)
+    assert a == b and a != make_scenario(4)
+    assert [t.label for t in a.turns] == ["first", "follow", "shift", "follow", "shift", "shift", "shift"]
+    line = a.turns[5].expect[0]
+    assert line in a.document.splitlines()  # the copy turn expects a real directory line
+    assert a.document.splitlines()[1].startswith("RULE:")
+
+
+def test_scoring_helpers():
+    assert is_correct("The office is  c-155.", ["C-155"]) and not is_correct("B-155", ["C-155"])
+    assert is_degenerate([5, 6] * 10, "length") and not is_degenerate([5, 6] * 10, "eos")
+    assert not is_degenerate(list(range(20)), "length")
+    rows = [{"label": lab, "decision": dec} for lab, dec in
+            [("first", "n/a"), ("follow", "kept"), ("shift", "reprefill"), ("follow", "reprefill"),
+             ("shift", "kept"), ("shift", "reprefill")]]
+    assert detector_quality(rows) == {"labelled_turns": 5, "tp": 2, "fp": 1, "fn": 1, "precision": 0.667,
+                                      "recall": 0.667}
+
+
+def test_condition_policies():
+    full = condition_policy("a_full", 0.3, 16)
+    assert full.compression.budget == 32768 and full.drift.embedder == "none"
+    every = condition_policy("d_every_turn", 0.3, 16)
+    assert every.compression.budget_ratio == 0.3 and every.drift.threshold == 0.0
+    assert set(CONDITIONS) == {"a_full", "b_snapkv", "c_drift", "d_every_turn"}
+
+
+def test_bench_shift_runs_on_smollm2(smollm2):
+    res = CliRunner().invoke(main, ["bench", "shift", "--model", "smollm2-135m-instruct", "--sessions", "1",
+                                    "--ratio", "0.3", "--window", "16", "--max-new-tokens", "6", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["budget_ratio"] == 0.3 and set(out["conditions"]) == set(CONDITIONS)
+    assert all(len(rows) == 7 for rows in out["turns"].values())
+    assert out["conditions"]["a_full"]["reprefills"] == 0 and out["conditions"]["b_snapkv"]["reprefills"] == 0
+    # re-prefill every turn: every turn after the first re-prefills once something was evicted
+    assert out["conditions"]["d_every_turn"]["reprefills"] == 6
+    assert out["detector"]["labelled_turns"] == 6
