@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import update
 
-from snapkv_sessions import Session, SessionStore, audit, session as session_mod
+from snapkv_sessions import Session, SessionStore, audit
+from snapkv_sessions import session as session_mod
 from snapkv_sessions.cli import main
 from snapkv_sessions.store import schema
 from snapkv_sessions.store.blobs import pack_positions, unpack_positions

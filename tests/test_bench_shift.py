@@ -6,7 +6,14 @@ import json
 
 from click.testing import CliRunner
 
-from snapkv_sessions.bench.shift import CONDITIONS, condition_policy, detector_quality, is_correct, is_degenerate, make_scenario
+from snapkv_sessions.bench.shift import (
+    CONDITIONS,
+    condition_policy,
+    detector_quality,
+    is_correct,
+    is_degenerate,
+    make_scenario,
+)
 from snapkv_sessions.cli import main
 
 
