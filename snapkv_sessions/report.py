@@ -23,6 +23,10 @@ class CompressionReport:
     select_ms: pooling, head reduction and top-k, all layers
     gather_ms: building the compressed key/value tensors, all layers
     kv_bytes_before, kv_bytes_after: key+value bytes resident in the cache
+    history_attention: the observation window's attention mass on the cache as it was before this prefill
+        (first 4 positions, the attention sinks, left out), averaged over layers and query heads; None on a
+        first prefill. A candidate task-shift signal: little attention on the history may mean the evidence
+        is not there.
     """
 
     context_tokens: int
@@ -39,6 +43,7 @@ class CompressionReport:
     gather_ms: float = 0.0
     kv_bytes_before: int = 0
     kv_bytes_after: int = 0
+    history_attention: float | None = None
 
     @property
     def compressed(self) -> bool:

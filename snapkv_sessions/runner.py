@@ -236,6 +236,7 @@ class ModelRunner:
             score_ms=probe.seconds * 1e3,
             kv_bytes_before=state.kv_bytes(),
         )
+        report.history_attention = self._history_attention(state, probe)
         scorer = SnapKV(window=window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
         grow = cfg.pin_overflow == "grow"
         for layer, lay in enumerate(state.cache.layers):
@@ -264,6 +265,17 @@ class ModelRunner:
         report.kv_bytes_after = state.kv_bytes()
         state.reports.append(report)
         return report
+
+    @staticmethod
+    def _history_attention(state: KVState, probe: WindowProbe, sinks: int = 4) -> float | None:
+        """Window attention mass on the slots that predate this prefill, sinks excluded, mean over layers."""
+        masses = []
+        for layer, scores in probe.scores.items():  # (B, Hq, T)
+            pos = state.positions[layer]  # (B, Hkv, T)
+            old = (pos < probe.turn_start) & (pos >= sinks)  # (B, Hkv, T) slots from earlier turns, no sinks
+            old = old.repeat_interleave(scores.shape[1] // pos.shape[1], dim=1)  # (B, Hq, T)
+            masses.append(float((scores * old).sum(-1).mean()))
+        return sum(masses) / len(masses) if probe.turn_start > sinks and masses else None
 
     @staticmethod
     def _pinned_kept(state: KVState) -> int:

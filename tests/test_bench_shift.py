@@ -56,3 +56,18 @@ def test_bench_shift_runs_on_smollm2(smollm2):
     # re-prefill every turn: every turn after the first re-prefills once something was evicted
     assert out["conditions"]["d_every_turn"]["reprefills"] == 6
     assert out["detector"]["labelled_turns"] == 6
+
+
+def test_auc_and_second_signal():
+    from snapkv_sessions.bench.shift import auc, second_signal
+
+    assert auc([0.9, 0.8, 0.1], [True, True, False]) == 1.0
+    assert auc([0.5, 0.5], [True, False]) == 0.5 and auc([1.0], [True]) is None
+    b = [{"label": "first", "history_attention": None}, {"label": "follow", "history_attention": 0.6},
+         {"label": "shift", "history_attention": 0.2}, {"label": "shift", "history_attention": 0.5}]
+    c = [{"label": "first", "decision": "n/a", "drift": None}, {"label": "follow", "decision": "kept", "drift": 0.1},
+         {"label": "shift", "decision": "reprefill", "drift": 0.9}, {"label": "shift", "decision": "kept", "drift": 0.3}]
+    out = second_signal(b, c)
+    assert out["turns"] == 3 and out["auc_history_attention"] == 1.0 and out["auc_detector_score"] == 1.0
+    assert out["detector_f1"] == 0.667
+    assert out["best_combined_with_attention"] == {"cut": 0.5, "f1": 1.0, "tp": 2, "fp": 0, "fn": 0}

@@ -222,3 +222,13 @@ def test_report_fields():
     assert second.report.tokens_before == [33] * 3
     assert all(4 <= n <= 11 for row in second.report.kept_new for n in row)
     assert second.report.to_dict()["compressed"] is True
+
+
+def test_history_attention_is_a_share_of_the_window_attention():
+    runner = ModelRunner(build_tiny("llama"))
+    state = runner.new_state()
+    cfg = CompressionConfig.make(budget=24, window=6)
+    first = runner.turn(state, prompt(50), cfg, GenerationConfig(max_new_tokens=2, eos_token_ids=()))
+    assert first.report.history_attention is None  # nothing predates the first prefill
+    second = runner.turn(state, prompt(20, seed=5), cfg, GenerationConfig(max_new_tokens=2, eos_token_ids=()))
+    assert 0.0 < second.report.history_attention < 1.0

@@ -127,6 +127,7 @@ def run_session(runner, scenario: Scenario, policy: Policy, max_new_tokens: int)
             "label": turn.label, "correct": is_correct(reply.text, turn.expect),
             "degenerate": is_degenerate(reply.token_ids, reply.stop_reason),
             "decision": rec["drift_decision"], "drift": rec["drift_score"],
+            "history_attention": reply.report.history_attention if reply.report else None,
             "reprefill_ms": reprefill["ms"] if reprefill else None,
             "turn_ms": (time.perf_counter() - t0) * 1e3, "context": reply.context_tokens, "reply": reply.text.strip(),
         })
@@ -184,6 +185,42 @@ def detector_quality(rows: list[dict]) -> dict:
             "recall": round(tp / (tp + fn), 3) if tp + fn else None}
 
 
+def auc(scores: list[float], positives: list[bool]) -> float | None:
+    """Probability that a random shift turn scores above a random follow-up turn (ties count half)."""
+    pos = [s for s, p in zip(scores, positives, strict=True) if p]
+    neg = [s for s, p in zip(scores, positives, strict=True) if not p]
+    if not pos or not neg:
+        return None
+    wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+    return round(wins / (len(pos) * len(neg)), 3)
+
+
+def second_signal(snapkv_rows: list[dict], drift_rows: list[dict]) -> dict:
+    """Does the window's attention mass on the history (on the compressed cache of (b)) separate shift turns
+    from follow-ups, and does it add anything to the detector of (c)?"""
+    pairs = [(b, c) for b, c in zip(snapkv_rows, drift_rows, strict=True)
+             if b["label"] in ("follow", "shift") and b["history_attention"] is not None]
+    labels = [b["label"] == "shift" for b, _ in pairs]
+    low_attention = [-b["history_attention"] for b, _ in pairs]  # less attention on history = more shift-like
+    detector = [c["drift"] if c["drift"] is not None else 0.0 for _, c in pairs]
+    best = None
+    for cut in sorted({b["history_attention"] for b, _ in pairs}):
+        combined = [c["decision"] == "reprefill" or b["history_attention"] <= cut for b, c in pairs]
+        tp = sum(p and y for p, y in zip(combined, labels, strict=True))
+        fp = sum(p and not y for p, y in zip(combined, labels, strict=True))
+        fn = sum(y and not p for p, y in zip(combined, labels, strict=True))
+        f1 = 2 * tp / (2 * tp + fp + fn) if tp else 0.0
+        if best is None or f1 > best["f1"]:
+            best = {"cut": round(cut, 4), "f1": round(f1, 3), "tp": tp, "fp": fp, "fn": fn}
+    tp = sum(c["decision"] == "reprefill" and y for (_, c), y in zip(pairs, labels, strict=True))
+    fp = sum(c["decision"] == "reprefill" and not y for (_, c), y in zip(pairs, labels, strict=True))
+    fn = sum(c["decision"] != "reprefill" and y for (_, c), y in zip(pairs, labels, strict=True))
+    return {"turns": len(pairs), "auc_history_attention": auc(low_attention, labels),
+            "auc_detector_score": auc(detector, labels),
+            "detector_f1": round(2 * tp / (2 * tp + fp + fn), 3) if tp else 0.0,
+            "best_combined_with_attention": best}
+
+
 def run(model_name: str, sessions: int, ratios: list[float], window: int, max_new_tokens: int,
         ratio: float | None = None, log=print) -> dict:
     from .. import runner as runner_mod
@@ -208,6 +245,7 @@ def run(model_name: str, sessions: int, ratios: list[float], window: int, max_ne
         "max_new_tokens": max_new_tokens, "budget_ratio": chosen, "single_turn_budget_search": budget,
         "conditions": {name: summarise(rows) for name, rows in per_condition.items()},
         "detector": detector_quality(per_condition["c_drift"]),
+        "second_signal": second_signal(per_condition["b_snapkv"], per_condition["c_drift"]),
         "minutes": round((time.perf_counter() - t0) / 60, 1),
         "turns": {name: rows for name, rows in per_condition.items()},
     }
@@ -223,4 +261,5 @@ def table(result: dict) -> str:
     d = result["detector"]
     lines.append(f"detector (c): precision {d['precision']} recall {d['recall']} on {d['labelled_turns']} labelled turns")
     lines.append(f"budget ratio {result['budget_ratio']}; single-turn search {result['single_turn_budget_search']}")
+    lines.append(f"second signal (history attention): {result['second_signal']}")
     return "\n".join(lines)
