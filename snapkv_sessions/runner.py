@@ -14,6 +14,7 @@ import torch
 
 from . import attention
 from .attention import WindowProbe
+from .cache import CompactCache, set_layer
 from .config import CompressionConfig
 from .errors import ConfigError, UnsupportedModelError
 from .generation import GenerationConfig, Sampler
@@ -71,9 +72,15 @@ class ModelRunner:
     prefill_chunk:
         Prefill long inputs in chunks of this many tokens (exact: the causal mask is built per chunk), which
         bounds the activation memory.
+    cache:
+        ``"compact"`` (default): :class:`~snapkv_sessions.cache.CompactCache`, preallocated, decode writes in
+        place; ``"dynamic"``: transformers' DynamicCache (concatenates at every step).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, prefill_chunk: int = 4096) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer=None, prefill_chunk: int = 4096, cache: str = "compact") -> None:
+        if cache not in ("compact", "dynamic"):
+            raise ConfigError("cache", cache, "must be 'compact' or 'dynamic'")
+        self.cache_kind = cache
         check_supported(model)
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", prefill_chunk, "must be >= 1")
@@ -101,6 +108,8 @@ class ModelRunner:
         self.model.set_attn_implementation(self._original_attn)
 
     def new_state(self) -> KVState:
+        if self.cache_kind == "compact":
+            return KVState(cache=CompactCache(self.num_layers))
         from transformers import DynamicCache
 
         return KVState(cache=DynamicCache(config=self.model.config))
@@ -188,6 +197,8 @@ class ModelRunner:
         if gen.stop and self.tokenizer is None:
             raise ConfigError("stop", gen.stop, "stop strings need the runner to have a tokenizer")
         sample = Sampler(gen, first_logits.device)
+        if isinstance(state.cache, CompactCache):
+            state.cache.reserve(gen.max_new_tokens)  # once: no decode step reallocates
         logits, produced = first_logits, []
         reason = "length"
         for i in range(gen.max_new_tokens):
@@ -252,8 +263,7 @@ class ModelRunner:
                 idx = select_positions(scores, budgets[layer] - window, window, pinned, grow, layer)  # (B,Hkv,K)
                 t1 = time.perf_counter()
                 gather = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
-                lay.keys = lay.keys.gather(2, gather)  # (B, Hkv, K, D)
-                lay.values = lay.values.gather(2, gather)  # (B, Hkv, K, D)
+                set_layer(lay, lay.keys.gather(2, gather), lay.values.gather(2, gather))  # (B, Hkv, K, D) each
                 state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
                 report.select_ms += (t1 - t0) * 1e3
                 report.gather_ms += (time.perf_counter() - t1) * 1e3
