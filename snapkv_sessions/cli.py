@@ -102,6 +102,29 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
         click.echo(overhead.table(result), err=False)
 
 
+@bench.command("speed")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Comma-separated context lengths.")
+@click.option("--budgets", default="0.05,0.1,0.2,0.5", show_default=True, help="Budget ratios (full is always run).")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--steps", default=32, show_default=True, help="Decode steps timed per budget.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG of TPOT and speedup vs the bound.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> None:
+    """Prefill, compression overhead, TTFT, TPOT p50/p95/p99 and KV bytes per length and budget."""
+    from .bench import speed
+
+    quiet_loaders()
+    result = speed.run(model, [int(x) for x in lengths.split(",")], [float(x) for x in budgets.split(",")],
+                       window=window, steps=steps)
+    click.echo(json.dumps(result, indent=2))
+    if plot_path:
+        speed.plot(result, plot_path)
+    if not as_json:
+        click.echo(speed.table(result))
+
+
 @bench.command("shift")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--sessions", "n_sessions", default=6, show_default=True, help="Scripted sessions (7 turns each).")
