@@ -35,6 +35,14 @@ class CompressionConfig(BaseModel):
         layers keep more, upper layers less, same total).
     pyramid_beta:
         PyramidKV's beta: the top layer keeps ``(budget - window) / beta`` history tokens.
+    method:
+        ``"snapkv"`` (default), or ``"streaming"``: StreamingLLM's fixed pattern (Xiao et al., 2023,
+        arXiv:2309.17453), the first ``sinks`` slots plus the most recent ones, a baseline for benchmarks.
+    sinks:
+        Attention-sink slots kept by ``method="streaming"``.
+    span_aware:
+        Score whole words (whitespace-delimited token runs): every token of a word gets the word's best score,
+        so kept positions tend to cover whole words and numbers. Needs the runner's tokenizer.
     pin_overflow:
         What happens when the pinned positions alone exceed a layer's history budget: ``"error"`` raises
         :class:`~snapkv_sessions.errors.BudgetError`; ``"grow"`` keeps every pinned position and grows that
@@ -52,6 +60,9 @@ class CompressionConfig(BaseModel):
     strategy: Literal["uniform", "pyramid"] = "uniform"
     pyramid_beta: float = 20.0
     pin_overflow: Literal["error", "grow"] = "error"
+    method: Literal["snapkv", "streaming"] = "snapkv"
+    sinks: int = 4
+    span_aware: bool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -81,6 +81,32 @@ class SnapKV:
         return grouped.mean(dim=2)  # (B, Hkv, P)
 
 
+def spread_over_words(scores: torch.Tensor, word_ids: torch.Tensor) -> torch.Tensor:
+    """Give every token the best score of its word.
+
+    Parameters
+    ----------
+    scores : (B, Hkv, P)
+    word_ids : (B, Hkv, P) long, the word each slot's token belongs to (any ids, equal within a word)
+
+    Returns
+    -------
+    (B, Hkv, P)
+    """
+    dense = torch.unique(word_ids, return_inverse=True)[1]  # (B, Hkv, P) ids in [0, n_words)
+    best = torch.full((*scores.shape[:2], int(dense.max()) + 1), float("-inf"), dtype=scores.dtype,
+                      device=scores.device)  # (B, Hkv, n_words)
+    best = best.scatter_reduce(-1, dense, scores, reduce="amax")
+    return best.gather(-1, dense)  # (B, Hkv, P)
+
+
+def streaming_positions(length: int, budget: int, sinks: int, bsz: int, n_kv: int, device) -> torch.Tensor:
+    """StreamingLLM's kept slots: the first ``sinks`` and the most recent ``budget - sinks``. (B, Hkv, budget)"""
+    head = torch.arange(min(sinks, budget), device=device)
+    tail = torch.arange(length - (budget - len(head)), length, device=device)
+    return torch.cat([head, tail]).expand(bsz, n_kv, -1)
+
+
 def select_positions(
     scores: torch.Tensor, keep: int, window: int, pinned: torch.Tensor | None, grow: bool, layer: int
 ) -> torch.Tensor:

@@ -18,7 +18,7 @@ from .cache import CompactCache, set_layer
 from .config import CompressionConfig
 from .errors import ConfigError, UnsupportedModelError
 from .generation import GenerationConfig, Sampler
-from .press import SnapKV, layer_budgets, select_positions
+from .press import SnapKV, layer_budgets, select_positions, spread_over_words, streaming_positions
 from .report import CompressionReport
 from .state import KVState
 
@@ -257,10 +257,7 @@ class ModelRunner:
                                   "right after the prefill that observed")
             if length > budgets[layer]:
                 t0 = time.perf_counter()
-                scores = scorer.score(probe.scores[layer], self.num_kv_heads)  # (B, Hkv, T - W)
-                hist_pos = state.positions[layer][..., : length - window]  # (B, Hkv, T - W)
-                pinned = keep_mask[hist_pos]  # (B, Hkv, T - W)
-                idx = select_positions(scores, budgets[layer] - window, window, pinned, grow, layer)  # (B,Hkv,K)
+                idx = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow)  # (B, Hkv, K)
                 t1 = time.perf_counter()
                 gather = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
                 set_layer(lay, lay.keys.gather(2, gather), lay.values.gather(2, gather))  # (B, Hkv, K, D) each
@@ -275,6 +272,30 @@ class ModelRunner:
         report.kv_bytes_after = state.kv_bytes()
         state.reports.append(report)
         return report
+
+    def _select(self, state: KVState, probe: WindowProbe, cfg: CompressionConfig, scorer: SnapKV,
+                keep_mask: torch.Tensor, layer: int, budget: int, grow: bool) -> torch.Tensor:
+        """Sorted slot indices to keep in one layer, (B, Hkv, K)."""
+        positions = state.positions[layer]  # (B, Hkv, T)
+        length, window = positions.shape[-1], probe.window
+        if cfg.method == "streaming":
+            return streaming_positions(length, budget, cfg.sinks, *positions.shape[:2], positions.device)
+        scores = scorer.score(probe.scores[layer], self.num_kv_heads)  # (B, Hkv, T - W)
+        hist_pos = positions[..., : length - window]  # (B, Hkv, T - W)
+        if cfg.span_aware:
+            scores = spread_over_words(scores, self._word_ids(state)[hist_pos])  # (B, Hkv, T - W)
+        pinned = keep_mask[hist_pos]  # (B, Hkv, T - W)
+        return select_positions(scores, budget - window, window, pinned, grow, layer)  # (B, Hkv, K)
+
+    def _word_ids(self, state: KVState) -> torch.Tensor:
+        """(N,) word index of every true position: a new word starts at a token that begins with whitespace."""
+        if self.tokenizer is None:
+            raise ConfigError("span_aware", True, "needs the runner to have a tokenizer")
+        pieces = self.tokenizer.convert_ids_to_tokens(state.token_ids)
+        # byte-level BPE marks a leading space as "Ġ" and a newline as "Ċ"; sentencepiece uses "▁"
+        starts = [not p or p[0] in "ĠĊ▁ \n\t" or (i and pieces[i - 1] and pieces[i - 1][-1] in "Ċ\n")
+                  for i, p in enumerate(pieces)]
+        return torch.tensor(starts, dtype=torch.long, device=self.device).cumsum(0)  # (N,)
 
     @staticmethod
     def _history_attention(state: KVState, probe: WindowProbe, sinks: int = 4) -> float | None:

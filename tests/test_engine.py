@@ -232,3 +232,47 @@ def test_history_attention_is_a_share_of_the_window_attention():
     assert first.report.history_attention is None  # nothing predates the first prefill
     second = runner.turn(state, prompt(20, seed=5), cfg, GenerationConfig(max_new_tokens=2, eos_token_ids=()))
     assert 0.0 < second.report.history_attention < 1.0
+
+
+def test_streaming_keeps_sinks_and_recent():
+    runner = ModelRunner(build_tiny("llama"))
+    state = runner.new_state()
+    _, probe = runner.prefill(state, prompt(50), window=4)
+    runner.compress(state, CompressionConfig.make(budget=20, window=4, method="streaming", sinks=4), probe)
+    for layer in range(runner.num_layers):
+        for head in range(runner.num_kv_heads):
+            assert state.kept_positions(layer, head) == [0, 1, 2, 3, *range(34, 50)]
+
+
+def test_spread_over_words():
+    from snapkv_sessions.press import spread_over_words
+
+    scores = torch.tensor([[[0.1, 0.5, 0.2, 0.9, 0.3]]])  # (1, 1, 5)
+    words = torch.tensor([[[7, 7, 8, 9, 9]]])
+    assert torch.equal(spread_over_words(scores, words), torch.tensor([[[0.5, 0.5, 0.2, 0.9, 0.9]]]))
+
+
+def test_span_aware_keeps_whole_words(smollm2):
+    model, tok = smollm2
+    runner = ModelRunner(model, tok)
+    try:
+        ids = tok(" ".join(f"Parcel {1000 + i} goes to courier number {7 * i + 13}." for i in range(30)))["input_ids"]
+
+        def partial_words(span_aware: bool) -> int:
+            state = runner.new_state()
+            _, probe = runner.prefill(state, ids, window=16)
+            runner.compress(state, CompressionConfig.make(budget=96, window=16, span_aware=span_aware), probe)
+            words = runner._word_ids(state)
+            cut = 0
+            for pos in state.positions:
+                for head in pos[0]:
+                    kept = set(head.tolist())
+                    for w in set(words[head].tolist()):
+                        members = (words == w).nonzero().flatten().tolist()
+                        cut += 0 < len(kept & set(members)) < len(members)
+            assert state.cache_lengths() == [96] * runner.num_layers
+            return cut
+
+        assert partial_words(True) < partial_words(False) / 3
+    finally:
+        runner.detach()
