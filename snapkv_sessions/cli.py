@@ -125,6 +125,62 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
         click.echo(speed.table(result))
 
 
+@bench.command("quality")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--items", "n_items", default=5, show_default=True, help="Scenarios (lookup, copy, switch, rule each).")
+@click.option("--ratio", default=0.3, show_default=True, help="Budget ratio for the compressed methods.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
+@click.option("--records", default=40, show_default=True, help="Directory records per document.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_quality(model, n_items, ratio, window, max_new_tokens, records, out, as_json) -> None:
+    """Accuracy per task and role split: full cache, session, StreamingLLM, SnapKV without pins or recovery."""
+    from .bench import quality
+
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = quality.run_quality(quality.load_runner(model), n_items, ratio, window, max_new_tokens, records, log=log)
+    result["model"] = model
+    _emit(result, out, as_json, quality.quality_table)
+
+
+@bench.command("knee")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--items", "n_items", default=6, show_default=True, help="Items per task and prompt length.")
+@click.option("--budgets", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9", show_default=True, help="Budget ratios.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
+@click.option("--lengths", default="20,40", show_default=True, help="Directory records per prompt length.")
+@click.option("--plot", "plot_path", default=None, help="Write the accuracy-vs-budget PNG here.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_knee(model, n_items, budgets, window, max_new_tokens, lengths, plot_path, out, as_json) -> None:
+    """Accuracy against budget; the smallest budget within 2 points of full; degeneration; span-aware at 10%."""
+    from .bench import quality
+
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = quality.run_knee(quality.load_runner(model), n_items, [float(b) for b in budgets.split(",")], window,
+                              max_new_tokens, lengths=tuple(int(x) for x in lengths.split(",")), log=log)
+    result["model"] = model
+    if plot_path:
+        quality.knee_plot(result, plot_path)
+    _emit(result, out, as_json, quality.knee_table)
+
+
+def _emit(result: dict, out: str | None, as_json: bool, table) -> None:
+    text = json.dumps(result, indent=2)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text)
+    click.echo(text if as_json else json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    if not as_json:
+        click.echo(table(result))
+
+
 @bench.command("shift")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--sessions", "n_sessions", default=6, show_default=True, help="Scripted sessions (7 turns each).")

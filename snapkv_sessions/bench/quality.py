@@ -1,0 +1,198 @@
+"""``bench quality`` and ``bench knee``: task accuracy under compression, per role split and per budget.
+
+quality: single-turn document lookup, exact copy of a line, compliance with a format rule placed in each role
+(system, developer, tool schema, user, document), and multi-turn task switching; compared across the full cache,
+this project's session (pins + drift re-prefill), StreamingLLM (sinks + recent window) and per-turn SnapKV
+without pins or recovery.
+
+knee: accuracy against budget for lookups and copies at two prompt lengths; the smallest budget within 2 points
+of the full cache; the rate of degenerate output; and whether span-aware selection moves the knee at 10%.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+
+import torch
+
+from ..config import CompressionConfig
+from ..generation import GenerationConfig
+from ..policy import Policy
+from ..session import Session
+from ..store import SessionStore
+from .shift import SYSTEM, is_correct, is_degenerate, make_scenario
+
+RULE = "Always start your answer with the word ANSWER: followed by the answer."
+ROLE_SPLITS = ("system", "developer", "tool_schema", "user", "document")
+
+
+def method_policy(method: str, ratio: float, window: int) -> Policy:
+    comp = {"budget_ratio": ratio, "window": window, "kernel": 7}
+    no_pins = {"roles": [], "sink_tokens": 0, "keep_question": False}
+    specs = {
+        "full": {"compression": {"budget": 32768, "window": window}, "drift": {"embedder": "none"}},
+        "session": {"compression": comp, "pins": {"roles": ["system", "developer", "tool_schema"]},
+                    "drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"}},
+        "streaming": {"compression": {**comp, "method": "streaming"}, "pins": no_pins, "drift": {"embedder": "none"}},
+        "snapkv": {"compression": comp, "pins": no_pins, "drift": {"embedder": "none"}},
+    }
+    return Policy.from_dict({"name": method, **specs[method]})
+
+
+def items(n: int, records: int = 40) -> list[dict]:
+    """The quality items: (task, role split, setup messages, turns with expectations)."""
+    out = []
+    for seed in range(n):
+        sc = make_scenario(100 + seed, records=records)
+        lookup, _, other, _, _, copy_turn, _ = sc.turns
+        doc = {"role": "document", "content": sc.document, "name": "directory"}
+        out.append({"task": "lookup", "split": "document", "setup": [doc], "turns": [(lookup.question, lookup.expect)]})
+        out.append({"task": "copy", "split": "document", "setup": [doc], "turns": [(copy_turn.question, copy_turn.expect)]})
+        out.append({"task": "switch", "split": "document", "setup": [doc],
+                    "turns": [(lookup.question, lookup.expect), (other.question, other.expect)]})
+        role = ROLE_SPLITS[seed % len(ROLE_SPLITS)]
+        setup, question = [doc], lookup.question
+        if role == "document":
+            setup = [{**doc, "content": RULE + "\n" + sc.document}]
+        elif role == "user":
+            question = RULE + " " + question
+        elif role == "tool_schema":
+            setup = [{"role": "tool_schema", "content": json.dumps({"name": "reply", "description": RULE})}, doc]
+        else:
+            setup = [{"role": role, "content": RULE}, doc]
+        out.append({"task": "rule", "split": role, "setup": setup, "turns": [(question, ["ANSWER:"])]})
+    return out
+
+
+def rule_followed(reply: str) -> bool:
+    return reply.strip().upper().startswith("ANSWER")
+
+
+def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
+    store = SessionStore("sqlite://")
+    session = Session.create(runner, policy=policy, store=store, system=SYSTEM)
+    for msg in item["setup"]:
+        store.add_message(session.id, msg["role"], msg["content"], msg.get("name"))
+    reply = None
+    for question, _ in item["turns"]:
+        reply = session.chat(question, max_new_tokens=max_new_tokens)
+    expect = item["turns"][-1][1]  # the last turn is the one scored
+    ok = rule_followed(reply.text) if item["task"] == "rule" else is_correct(reply.text, expect)
+    return {"task": item["task"], "split": item["split"], "correct": ok,
+            "degenerate": is_degenerate(reply.token_ids, reply.stop_reason), "reply": reply.text.strip()[:200]}
+
+
+def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, records: int = 40, log=print) -> dict:
+    t0 = time.perf_counter()
+    rows = {m: [] for m in ("full", "session", "streaming", "snapkv")}
+    for i, item in enumerate(items(n, records)):
+        for method in rows:
+            rows[method].append(run_item(runner, item, method_policy(method, ratio, window), max_new_tokens))
+        log(f"item {i} {item['task']}/{item['split']}: " + " ".join(f"{m}={r[-1]['correct']}" for m, r in rows.items()))
+    summary = {}
+    for method, rs in rows.items():
+        by = {}
+        for key in sorted({(r["task"], r["split"]) for r in rs}):
+            sel = [r for r in rs if (r["task"], r["split"]) == key]
+            by[f"{key[0]}/{key[1]}"] = round(sum(r["correct"] for r in sel) / len(sel), 3)
+        summary[method] = {"accuracy": round(sum(r["correct"] for r in rs) / len(rs), 3), "by_task_split": by,
+                           "degenerate_rate": round(sum(r["degenerate"] for r in rs) / len(rs), 3)}
+    return {"benchmark": "quality", "budget_ratio": ratio, "window": window, "items": len(rows["full"]),
+            "summary": summary, "minutes": round((time.perf_counter() - t0) / 60, 1), "rows": rows}
+
+
+def knee_item_ids(tok, document: str, question: str) -> list[int]:
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Document directory:\n{document}"},
+            {"role": "user", "content": question}]
+    return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def run_knee(runner, n: int, budgets: list[float], window: int, max_new_tokens: int, lengths=(20, 40),
+             log=print) -> dict:
+    tok = runner.tokenizer
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    variants = ["full", *[str(b) for b in budgets], "0.1+span"]
+    t0 = time.perf_counter()
+    rows = []
+    for records in lengths:
+        for seed in range(n):
+            sc = make_scenario(200 + seed, records=records)
+            for task, turn in (("lookup", sc.turns[0]), ("copy", sc.turns[5])):
+                ids = knee_item_ids(tok, sc.document, turn.question)
+                base = runner.new_state()
+                logits, probe = runner.prefill(base, ids, window=window)
+                for variant in variants:
+                    state = copy.deepcopy(base)
+                    if variant != "full":
+                        ratio = float(variant.split("+")[0])
+                        cfg = CompressionConfig.make(budget_ratio=ratio, window=window, span_aware=variant.endswith("span"))
+                        runner.compress(state, cfg, probe)
+                    out = list(runner.generate(state, logits, gen))
+                    text = tok.decode(out, skip_special_tokens=True)
+                    rows.append({"task": task, "records": records, "tokens": len(ids), "variant": variant,
+                                 "correct": is_correct(text, turn.expect),
+                                 "degenerate": is_degenerate(out, state.last_stop_reason)})
+            log(f"records {records} seed {seed} done")
+    table = {}
+    for task in ("lookup", "copy"):
+        for records in lengths:
+            sel = [r for r in rows if r["task"] == task and r["records"] == records]
+            acc = {v: round(sum(r["correct"] for r in sel if r["variant"] == v) / n, 3) for v in variants}
+            degen = {v: round(sum(r["degenerate"] for r in sel if r["variant"] == v) / n, 3) for v in variants}
+            within = [b for b in budgets if acc[str(b)] >= acc["full"] - 0.02]
+            tokens = round(sum(r["tokens"] for r in sel if r["variant"] == "full") / n)
+            table[f"{task}@{tokens}tok"] = {"accuracy": acc, "degenerate_rate": degen,
+                                            "knee": min(within) if within else None}
+    return {"benchmark": "knee", "budgets": budgets, "window": window, "items_per_cell": n, "table": table,
+            "minutes": round((time.perf_counter() - t0) / 60, 1), "rows": rows}
+
+
+def knee_plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
+    for name, cell in result["table"].items():
+        xs = result["budgets"]
+        line = ax.plot(xs, [cell["accuracy"][str(b)] for b in xs], marker="o", label=name)[0]
+        ax.axhline(cell["accuracy"]["full"], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.scatter([0.1], [cell["accuracy"]["0.1+span"]], marker="*", s=120, color=line.get_color())
+    ax.set(xlabel="budget (share of the context)", ylabel="accuracy",
+           title="accuracy vs budget (dotted: full cache; star: span-aware at 10%)")
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def quality_table(result: dict) -> str:
+    methods = list(result["summary"])
+    keys = list(result["summary"]["full"]["by_task_split"])
+    lines = [f"{'task/split':<22}" + "".join(f"{m:>11}" for m in methods)]
+    for key in keys:
+        lines.append(f"{key:<22}" + "".join(f"{result['summary'][m]['by_task_split'][key]:>11.2f}" for m in methods))
+    lines.append(f"{'all':<22}" + "".join(f"{result['summary'][m]['accuracy']:>11.2f}" for m in methods))
+    return "\n".join(lines)
+
+
+def knee_table(result: dict) -> str:
+    variants = list(next(iter(result["table"].values()))["accuracy"])
+    lines = [f"{'cell':<18}" + "".join(f"{v:>9}" for v in variants) + f"{'knee':>7}"]
+    for name, cell in result["table"].items():
+        lines.append(f"{name:<18}" + "".join(f"{cell['accuracy'][v]:>9.2f}" for v in variants) + f"{str(cell['knee']):>7}")
+        lines.append(f"{'  degenerate':<18}" + "".join(f"{cell['degenerate_rate'][v]:>9.2f}" for v in variants))
+    return "\n".join(lines)
+
+
+def load_runner(model_name: str):
+    from ..models import load_model
+    from ..runner import ModelRunner
+
+    model, tok = load_model(model_name)
+    torch.manual_seed(0)
+    random.seed(0)
+    return ModelRunner(model, tok)

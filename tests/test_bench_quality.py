@@ -1,0 +1,48 @@
+"""bench quality and knee: item construction exactly, and a small end-to-end run of each on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from snapkv_sessions.bench.quality import RULE, items, method_policy, rule_followed
+from snapkv_sessions.cli import main
+
+
+def test_items_place_the_rule_in_each_role():
+    built = items(5)
+    rules = [i for i in built if i["task"] == "rule"]
+    assert [i["split"] for i in rules] == ["system", "developer", "tool_schema", "user", "document"]
+    assert rules[0]["setup"][0] == {"role": "system", "content": RULE}
+    assert rules[3]["turns"][0][0].startswith(RULE)
+    assert rules[4]["setup"][0]["content"].startswith(RULE + "\nSTAFF DIRECTORY")
+    assert [i["task"] for i in built[:4]] == ["lookup", "copy", "switch", "rule"]
+    assert rule_followed(" answer: B-12") and not rule_followed("B-12")
+
+
+def test_method_policies():
+    assert method_policy("streaming", 0.3, 16).compression.method == "streaming"
+    assert method_policy("snapkv", 0.3, 16).pins.roles == ()
+    assert method_policy("session", 0.3, 16).pins.roles == ("system", "developer", "tool_schema")
+    assert method_policy("full", 0.3, 16).compression.budget == 32768
+
+
+def test_quality_and_knee_small_runs(smollm2, tmp_path):
+    res = CliRunner().invoke(main, ["bench", "quality", "--model", "smollm2-135m-instruct", "--items", "1",
+                                    "--window", "16", "--max-new-tokens", "4", "--records", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["items"] == 4 and set(out["summary"]) == {"full", "session", "streaming", "snapkv"}
+    assert set(out["summary"]["full"]["by_task_split"]) == {"lookup/document", "copy/document", "switch/document",
+                                                            "rule/system"}
+    png = tmp_path / "knee.png"
+    res = CliRunner().invoke(main, ["bench", "knee", "--model", "smollm2-135m-instruct", "--items", "1",
+                                    "--budgets", "0.1,0.5", "--window", "16", "--max-new-tokens", "4", "--lengths", "6,10",
+                                    "--plot", str(png), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert len(out["rows"]) == 2 * 2 * 4  # 2 lengths x 2 tasks x (full, 0.1, 0.5, 0.1+span)
+    assert set(out["table"]) == {f"{t}@{n}tok" for t in ("lookup", "copy")
+                                 for n in {r["tokens"] for r in out["rows"] if r["task"] == t}}
+    assert png.stat().st_size > 10_000
