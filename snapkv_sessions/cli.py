@@ -275,18 +275,20 @@ def sessions_show(session_id, db, as_json) -> None:
 @sessions.command("delete")
 @click.argument("session_id")
 @click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @clean_errors
-def sessions_delete(session_id, db) -> None:
+def sessions_delete(session_id, db, as_json) -> None:
     """Delete a session and everything recorded for it."""
     _store(db).delete_session(session_id)
-    click.echo(f"deleted {session_id}")
+    click.echo(json.dumps({"deleted": session_id}) if as_json else f"deleted {session_id}")
 
 
 @sessions.command("export")
 @click.argument("session_id")
 @click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@click.option("--json", "as_json", is_flag=True, help="JSON (the only format; accepted for uniformity).")
 @clean_errors
-def sessions_export(session_id, db) -> None:
+def sessions_export(session_id, db, as_json) -> None:
     """Export a session (messages, turns, events) as JSON."""
     click.echo(json.dumps(_jsonable(_store(db).export(session_id)), indent=2))
 

@@ -168,3 +168,15 @@ def test_against_full_and_plot(recorded, tmp_path):
     rgb = (img[..., :3] * 255).round().astype(int).reshape(-1, 3)
     assert len(np.unique(rgb, axis=0)) > 50  # a real heatmap, not a blank canvas
     assert ((np.abs(rgb - [214, 39, 40]).sum(1)) < 10).sum() > 500  # the system span's colour band
+
+
+def test_sessions_export_and_delete(tmp_path):
+    db = f"sqlite:///{tmp_path / 'x.db'}"
+    store = SessionStore(db)
+    sid = synthetic_session(store)
+    res = CliRunner().invoke(main, ["sessions", "export", sid, "--db", db, "--json"])
+    exported = json.loads(res.output)
+    assert [t["turn"] for t in exported["turns"]] == [1, 2] and len(exported["messages"]) == 6
+    assert "kept_positions" not in exported["turns"][0]
+    res = CliRunner().invoke(main, ["sessions", "delete", sid, "--db", db, "--json"])
+    assert json.loads(res.output) == {"deleted": sid} and store.list_sessions() == []
