@@ -190,7 +190,6 @@ def verify(store: SessionStore, session_id: str, model=None) -> VerifyResult:
 
 def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done: list[dict]):
     """Re-run the session in a scratch in-memory store; yields (recorded turn, re-executed turn) pairs."""
-    from .generation import GenerationConfig  # noqa: F401 - the model side is needed from here on
     from .session import Session
 
     scratch = SessionStore("sqlite://")

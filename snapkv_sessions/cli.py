@@ -171,12 +171,13 @@ def bench_knee(model, n_items, budgets, window, max_new_tokens, lengths, plot_pa
     _emit(result, out, as_json, quality.knee_table)
 
 
-def _emit(result: dict, out: str | None, as_json: bool, table) -> None:
+def _emit(result: dict, out: str | None, as_json: bool, table, bulky: str = "rows") -> None:
+    """Write the whole JSON to ``out``; print it whole (``--json``) or without its bulky per-item part, plus a table."""
     text = json.dumps(result, indent=2)
     if out:
         with open(out, "w") as fh:
             fh.write(text)
-    click.echo(text if as_json else json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    click.echo(text if as_json else json.dumps({k: v for k, v in result.items() if k != bulky}, indent=2))
     if not as_json:
         click.echo(table(result))
 
@@ -199,13 +200,7 @@ def bench_shift(model, n_sessions, ratios, ratio, window, max_new_tokens, out, a
     sizes = [float(x) for x in ratios.split(",") if x.strip()]
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     result = shift.run(model, n_sessions, sizes, window, max_new_tokens, ratio=ratio, log=log)
-    text = json.dumps(result, indent=2)
-    if out:
-        with open(out, "w") as fh:
-            fh.write(text)
-    click.echo(json.dumps({k: v for k, v in result.items() if k != "turns"}, indent=2) if not as_json else text)
-    if not as_json:
-        click.echo(shift.table(result))
+    _emit(result, out, as_json, shift.table, bulky="turns")
 
 
 @main.group()

@@ -9,6 +9,7 @@ catches up with turns another worker ran.
 from __future__ import annotations
 
 import random
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -304,8 +305,6 @@ class Session:
     def _pins(self, text: str, spans, msgs: list[Message], owners: list[int], offsets, first_pos: int,
               user_seq: int) -> tuple[list[bool], list[bool]]:
         """Pinned flags (policy roles, pinned messages, markers, patterns, sinks) and this turn's protect flags."""
-        import re
-
         pins = self.policy.pins
         by_seq = {m.seq: m for m in msgs}
         hits: list[tuple[int, int]] = []
@@ -369,7 +368,7 @@ class Session:
         self.owners.extend(owners)
         self._advance_text(text, offsets, first_pos, "")
         prefill_end = self.state.next_position
-        kept_per_role = self._kept_per_role(kept, prefill_end) if kept is not None else {}
+        kept_per_role = self._kept_per_role(kept, prefill_end, msgs) if kept is not None else {}
         t_prefill = time.perf_counter()
         if decision == "reprefill":
             self.drift.reset()
@@ -468,10 +467,10 @@ class Session:
             lo_hi[1] = pos + 1
         return {seq: (a, b) for seq, (a, b) in spans.items()}
 
-    def _kept_per_role(self, kept: list[np.ndarray], context: int) -> dict[str, float]:
+    def _kept_per_role(self, kept: list[np.ndarray], context: int, msgs: list[Message]) -> dict[str, float]:
         """Share of each role's context tokens (the first ``context`` positions) still held after compression,
         averaged over layers and KV heads."""
-        roles = {m.seq: m.role for m in self.messages()}
+        roles = {m.seq: m.role for m in msgs}  # the reply being written is not stored yet: "assistant" below
         owner_role = np.array([ROLES.index(roles.get(s, "assistant")) for s in self.owners[:context]])
         total = np.bincount(owner_role, minlength=len(ROLES)).astype(float)
         held = sum(np.bincount(owner_role[k.reshape(-1)], minlength=len(ROLES)) for k in kept) / (

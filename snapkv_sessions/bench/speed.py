@@ -57,15 +57,14 @@ def measure_length(runner: ModelRunner, ids: list[int], budgets: list[float | No
             report = runner.compress(state, CompressionConfig.make(budget_ratio=ratio, window=window), probe)
             compress_ms = report.total_ms
         t1 = time.perf_counter()
-        first = int(logits.argmax())  # the first reply token comes from the prefill's logits
+        int(logits.argmax())  # the first reply token comes from the prefill's logits: part of TTFT
         ttft = prefill_ms + compress_ms + (time.perf_counter() - t1) * 1e3
+        kept = state.cache_lengths()[0]
         kept_kv = state.kv_bytes()
         resident = state.cache.allocated_bytes() if hasattr(state.cache, "allocated_bytes") else kept_kv
         times = decode_times(runner, state, logits, steps)
-        del first
         rows.append({
-            "tokens": len(ids), "budget": "full" if ratio is None else ratio,
-            "kept_per_layer": state.cache_lengths()[0] - steps - 2,
+            "tokens": len(ids), "budget": "full" if ratio is None else ratio, "kept_per_layer": kept,
             "prefill_ms": round(prefill_ms, 1), "compression_ms": round(compress_ms, 2),
             "compression_pct_of_prefill": round(100 * compress_ms / prefill_ms, 3),
             "ttft_ms": round(ttft, 1),

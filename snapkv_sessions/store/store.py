@@ -207,7 +207,6 @@ class SessionStore:
             conn.execute(update(schema.turns).where(schema.turns.c.session_id == session_id,
                                                     schema.turns.c.turn == turn)
                          .values(status="done", assistant_seq=msg["seq"], finished_at=_now(), **record))
-            spans = {**spans}
             for seq, (start, end) in spans.items():
                 conn.execute(update(schema.messages).where(schema.messages.c.session_id == session_id,
                                                            schema.messages.c.seq == seq)
