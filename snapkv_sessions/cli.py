@@ -184,22 +184,26 @@ def _emit(result: dict, out: str | None, as_json: bool, table, bulky: str = "row
 
 @bench.command("shift")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
-@click.option("--sessions", "n_sessions", default=6, show_default=True, help="Scripted sessions (7 turns each).")
+@click.option("--sessions", "n_sessions", default=6, show_default=True, help="Scripted sessions (10 turns each).")
 @click.option("--ratios", default="0.1,0.2,0.3,0.5", show_default=True, help="Budget ratios for the single-turn search.")
 @click.option("--ratio", default=None, type=float, help="Skip the search and use this budget ratio.")
+@click.option("--threshold", default=None, type=float, help="Drift threshold for (c); default: calibrated.")
+@click.option("--calibration", default=40, show_default=True, help="Held-out scenarios for the threshold.")
 @click.option("--window", default=32, show_default=True, help="Observation window.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_shift(model, n_sessions, ratios, ratio, window, max_new_tokens, out, as_json) -> None:
+def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window, max_new_tokens, out,
+                as_json) -> None:
     """Accuracy under task shifts: full cache, SnapKV, SnapKV + drift re-prefill, re-prefill every turn."""
     from .bench import shift
 
     quiet_loaders()
     sizes = [float(x) for x in ratios.split(",") if x.strip()]
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = shift.run(model, n_sessions, sizes, window, max_new_tokens, ratio=ratio, log=log)
+    result = shift.run(model, n_sessions, sizes, window, max_new_tokens, ratio=ratio, threshold=threshold,
+                       calibration=calibration, log=log)
     _emit(result, out, as_json, shift.table, bulky="turns")
 
 

@@ -76,6 +76,7 @@ class DriftPolicy(_Strict):
 
     embedder: Literal["minilm", "model", "none"] = "minilm"
     threshold: float = Field(default=0.6, ge=0.0, le=2.0)
+    new_subject: bool = True  # a query naming only things the working set never named counts as a shift
     action: Literal["reprefill", "warn", "never"] = "reprefill"
 
 

@@ -129,7 +129,8 @@ class Session:
         self.on_pending = on_pending
         self.formatter = ChatFormatter(self.tokenizer)
         self.counter = _counter_for(self.tokenizer)
-        self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer)
+        self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
+                                  subjects=policy.drift.new_subject)
         self.recovered: Reply | None = None
         self._reset()
 

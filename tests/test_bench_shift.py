@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from snapkv_sessions.bench.shift import (
     CONDITIONS,
+    calibrate_threshold,
     condition_policy,
     detector_quality,
     is_correct,
@@ -20,8 +21,9 @@ from snapkv_sessions.cli import main
 def test_scenario_is_deterministic_and_labelled():
     a, b = make_scenario(3), make_scenario(3)
     assert a == b and a != make_scenario(4)
-    assert [t.label for t in a.turns] == ["first", "follow", "shift", "follow", "shift", "shift", "shift"]
-    line = a.turns[5].expect[0]
+    assert [t.label for t in a.turns] == ["first", "follow", "shift", "follow", "shift", "follow", "shift", "follow",
+                                          "shift", "follow"]
+    line = a.turns[6].expect[0]
     assert line in a.document.splitlines()  # the copy turn expects a real directory line
     assert a.document.splitlines()[1].startswith("RULE:")
 
@@ -33,8 +35,11 @@ def test_scoring_helpers():
     rows = [{"label": lab, "decision": dec} for lab, dec in
             [("first", "n/a"), ("follow", "kept"), ("shift", "reprefill"), ("follow", "reprefill"),
              ("shift", "kept"), ("shift", "reprefill")]]
+    rows[2].update(embedding_drift=0.8, threshold=0.7, new_terms=["Ada"])
+    rows[5].update(missing_terms=["1010"], new_terms=["1010"])
     assert detector_quality(rows) == {"labelled_turns": 5, "tp": 2, "fp": 1, "fn": 1, "precision": 0.667,
-                                      "recall": 0.667}
+                                      "recall": 0.667,
+                                      "caught_by": {"embedding": 1, "evidence": 1, "new_subject": 2}}
 
 
 def test_condition_policies():
@@ -47,15 +52,18 @@ def test_condition_policies():
 
 def test_bench_shift_runs_on_smollm2(smollm2):
     res = CliRunner().invoke(main, ["bench", "shift", "--model", "smollm2-135m-instruct", "--sessions", "1",
-                                    "--ratio", "0.3", "--window", "16", "--max-new-tokens", "6", "--json"])
+                                    "--ratio", "0.3", "--calibration", "4", "--window", "16", "--max-new-tokens", "6",
+                                    "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["budget_ratio"] == 0.3 and set(out["conditions"]) == set(CONDITIONS)
-    assert all(len(rows) == 7 for rows in out["turns"].values())
+    assert all(len(rows) == 10 for rows in out["turns"].values())
     assert out["conditions"]["a_full"]["reprefills"] == 0 and out["conditions"]["b_snapkv"]["reprefills"] == 0
     # re-prefill every turn: every turn after the first re-prefills once something was evicted
-    assert out["conditions"]["d_every_turn"]["reprefills"] == 6
-    assert out["detector"]["labelled_turns"] == 6
+    assert out["conditions"]["d_every_turn"]["reprefills"] == 9
+    assert out["detector"]["labelled_turns"] == 9
+    assert out["threshold_calibration"] == calibrate_threshold(range(1000, 1004))
+    assert out["drift_threshold"] == out["threshold_calibration"]["threshold"]
 
 
 def test_auc_and_second_signal():
@@ -71,3 +79,21 @@ def test_auc_and_second_signal():
     assert out["turns"] == 3 and out["auc_history_attention"] == 1.0 and out["auc_detector_score"] == 1.0
     assert out["detector_f1"] == 0.667
     assert out["best_combined_with_attention"] == {"cut": 0.5, "f1": 1.0, "tp": 2, "fp": 0, "fn": 0}
+
+
+def test_calibrated_threshold_separates_heldout_scenarios():
+    """The threshold chosen on seeds 1000+ gives the text-side detector perfect labels on seeds 0-5."""
+    from snapkv_sessions.bench.shift import detect
+    from snapkv_sessions.drift import make_embedder
+
+    calib = calibrate_threshold(range(1000, 1010))
+    assert calib["best_f1"] == 1.0 and calib["best_range"][0] <= calib["threshold"] <= calib["best_range"][1]
+    emb = make_embedder("minilm")
+    for seed in range(6):
+        sc = make_scenario(seed)
+        flags = detect(sc, emb.embed([t.question for t in sc.turns]), calib["threshold"])
+        assert flags == [t.label == "shift" for t in sc.turns]
+    # without the new-subject signal, "the office of another employee" is missed by the embedding alone
+    sc = make_scenario(0)
+    flags = detect(sc, emb.embed([t.question for t in sc.turns]), calib["threshold"], subjects=False)
+    assert flags[2] is False and sc.turns[2].label == "shift"

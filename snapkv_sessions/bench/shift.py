@@ -62,10 +62,13 @@ def make_scenario(seed: int, records: int = 40) -> Scenario:
         Turn(f"What is the office of {a['name']}?", [a["office"]], "first"),
         Turn(f"Which office did you say {a['name']} is in? Repeat it.", [a["office"]], "follow"),
         Turn(f"What is the office of {b['name']}?", [b["office"]], "shift"),
-        Turn(f"And in which department does {b['name']} work?", [b["dept"]], "follow"),
+        Turn("And in which department does that person work?", [b["dept"]], "follow"),  # no name: a pronoun
         Turn(f"Summarise in one sentence who works in the {dept} department.", members, "shift"),
+        Turn(f"Name one person who works in the {dept} department.", members, "follow"),
         Turn(f"Copy the directory line of the employee with id {c['id']} exactly, nothing else.", [line_c], "shift"),
+        Turn(f"What extension does the employee with id {c['id']} have?", [c["ext"]], "follow"),
         Turn(f"What is the phone extension of {d['name']}? Follow the rule at the top.", [f"EXT-{d['ext']}"], "shift"),
+        Turn(f"And the office of {d['name']}?", [d["office"]], "follow"),
     ]
     return Scenario(document, turns)
 
@@ -90,19 +93,73 @@ def is_degenerate(tokens: list[int], stop_reason: str) -> bool:
     return False
 
 
+def detect(scenario: Scenario, vectors, threshold: float, subjects: bool = True) -> list[bool]:
+    """The session's text-side detector (embedding drift, new subject) over a scenario, without a model: the
+    working set is reset after each detected shift, as a session does. One flag per turn ("first" is False)."""
+    from ..drift import WorkingSet, key_terms, new_subject
+
+    work = WorkingSet(vectors.shape[1])
+    flags = []
+    for turn, vector in zip(scenario.turns, vectors, strict=True):
+        drift = work.drift(vector)
+        shift = drift is not None and (drift > threshold or (subjects and new_subject(key_terms(turn.question),
+                                                                                      work.terms)))
+        if shift:
+            work.reset()
+        work.add(turn.question, vector)
+        flags.append(shift)
+    return flags
+
+
+def calibrate_threshold(seeds: range, grid_step: float = 0.01, margin: float = 0.05) -> dict:
+    """The drift threshold, chosen on scenarios disjoint from the evaluated ones (``seeds``).
+
+    Sweeps thresholds, scores the detector's F1 on the labelled follow-up and shift turns, and returns the
+    smallest threshold with the best F1 plus ``margin`` (kept inside the best-F1 range): a threshold sitting on
+    the highest follow-up score of the calibration set would flip on the next paraphrase.
+    """
+    from ..drift import make_embedder
+
+    emb = make_embedder("minilm")
+    scenarios = [make_scenario(seed) for seed in seeds]
+    vectors = [emb.embed([t.question for t in sc.turns]) for sc in scenarios]  # (turns, 384) each
+    sweep = []
+    for step in range(int(round(1 / grid_step)) + 1):
+        threshold = round(step * grid_step, 4)
+        tp = fp = fn = 0
+        for sc, vec in zip(scenarios, vectors, strict=True):
+            for turn, flag in zip(sc.turns, detect(sc, vec, threshold), strict=True):
+                tp += flag and turn.label == "shift"
+                fp += flag and turn.label == "follow"
+                fn += not flag and turn.label == "shift"
+        sweep.append((threshold, 2 * tp / (2 * tp + fp + fn) if tp else 0.0, tp, fp, fn))
+    best = max(f1 for _, f1, *_ in sweep)
+    lo = next(t for t, f1, *_ in sweep if f1 == best)
+    hi = lo  # the end of the contiguous best-F1 run from lo
+    for t, f1, *_ in sweep:
+        if t > hi and f1 == best and round(t - hi, 4) <= grid_step:
+            hi = t
+    chosen = round(min(lo + margin, hi), 4)
+    at = next(row for row in sweep if row[0] == lo)
+    return {"seeds": [seeds.start, seeds.stop - 1], "scenarios": len(scenarios), "best_f1": round(best, 3),
+            "best_range": [lo, hi], "threshold": chosen, "at_lowest_best": {"tp": at[2], "fp": at[3], "fn": at[4]}}
+
+
 CONDITIONS = {
     "a_full": {"compression": {"budget": 32768, "window": 32}, "drift": {"embedder": "none"}},
     "b_snapkv": {"drift": {"embedder": "none"}},
-    "c_drift": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"}},
+    "c_drift": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"}},  # threshold: run()
     "d_every_turn": {"drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
                      "recovery": {"min_turns_between": 0}},
 }
 
 
-def condition_policy(name: str, ratio: float, window: int) -> Policy:
+def condition_policy(name: str, ratio: float, window: int, threshold: float | None = None) -> Policy:
     base = {"name": name, "compression": {"budget_ratio": ratio, "window": window, "kernel": 7},
             "pins": {"roles": ["system"], "sink_tokens": 4}}
     spec = copy.deepcopy(CONDITIONS[name])
+    if name == "c_drift" and threshold is not None:
+        spec["drift"]["threshold"] = threshold
     base["compression"].update(spec.pop("compression", {}))
     if "budget" in base["compression"]:
         base["compression"].pop("budget_ratio")
@@ -123,10 +180,13 @@ def run_session(runner, scenario: Scenario, policy: Policy, max_new_tokens: int)
         reply = session.chat(turn.question, max_new_tokens=max_new_tokens)
         rec = store.turns(session.id)[-1]
         reprefill = next((p for k, p in reply.events if k == "reprefill"), None)
+        drift = next((p for k, p in reply.events if k == "drift"), {})
         rows.append({
             "label": turn.label, "correct": is_correct(reply.text, turn.expect),
             "degenerate": is_degenerate(reply.token_ids, reply.stop_reason),
             "decision": rec["drift_decision"], "drift": rec["drift_score"],
+            "embedding_drift": drift.get("embedding_drift"), "missing_terms": drift.get("missing_terms", []),
+            "new_terms": drift.get("new_terms", []),
             "history_attention": reply.report.history_attention if reply.report else None,
             "reprefill_ms": reprefill["ms"] if reprefill else None,
             "turn_ms": (time.perf_counter() - t0) * 1e3, "context": reply.context_tokens, "reply": reply.text.strip(),
@@ -180,9 +240,14 @@ def detector_quality(rows: list[dict]) -> dict:
     tp = sum(r["label"] == "shift" and r["decision"] == "reprefill" for r in labelled)
     fp = sum(r["label"] == "follow" and r["decision"] == "reprefill" for r in labelled)
     fn = sum(r["label"] == "shift" and r["decision"] != "reprefill" for r in labelled)
+    caught = [r for r in labelled if r["label"] == "shift" and r["decision"] == "reprefill"]
     return {"labelled_turns": len(labelled), "tp": tp, "fp": fp, "fn": fn,
             "precision": round(tp / (tp + fp), 3) if tp + fp else None,
-            "recall": round(tp / (tp + fn), 3) if tp + fn else None}
+            "recall": round(tp / (tp + fn), 3) if tp + fn else None,
+            # which signal caught each detected shift (a turn can count under several)
+            "caught_by": {"embedding": sum((r.get("embedding_drift") or 0) > r.get("threshold", 1e9) for r in caught),
+                          "evidence": sum(bool(r.get("missing_terms")) for r in caught),
+                          "new_subject": sum(bool(r.get("new_terms")) for r in caught)}}
 
 
 def auc(scores: list[float], positives: list[bool]) -> float | None:
@@ -222,7 +287,7 @@ def second_signal(snapkv_rows: list[dict], drift_rows: list[dict]) -> dict:
 
 
 def run(model_name: str, sessions: int, ratios: list[float], window: int, max_new_tokens: int,
-        ratio: float | None = None, log=print) -> dict:
+        ratio: float | None = None, threshold: float | None = None, calibration: int = 40, log=print) -> dict:
     from .. import runner as runner_mod
     from ..models import load_model
 
@@ -234,15 +299,21 @@ def run(model_name: str, sessions: int, ratios: list[float], window: int, max_ne
     budget = single_turn_budget(runner, scenarios, ratios, window, max_new_tokens) if ratio is None else None
     chosen = ratio if ratio is not None else budget["chosen_ratio"]
     log(f"budget ratio {chosen} ({budget})")
+    # the threshold comes from scenarios the evaluation never sees (seeds 1000+)
+    calib = calibrate_threshold(range(1000, 1000 + calibration)) if threshold is None else None
+    threshold = threshold if threshold is not None else calib["threshold"]
+    log(f"drift threshold {threshold} ({calib})")
     per_condition: dict[str, list[dict]] = {name: [] for name in CONDITIONS}
     for i, sc in enumerate(scenarios):
         for name in CONDITIONS:
-            per_condition[name] += run_session(runner, sc, condition_policy(name, chosen, window), max_new_tokens)
+            rows = run_session(runner, sc, condition_policy(name, chosen, window, threshold), max_new_tokens)
+            per_condition[name] += [{**r, "threshold": threshold} for r in rows] if name == "c_drift" else rows
             log(f"session {i} {name}: {summarise(per_condition[name])}")
     return {
         "benchmark": "shift", "model": model_name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "sessions": sessions, "turns_per_session": len(scenarios[0].turns), "window": window,
         "max_new_tokens": max_new_tokens, "budget_ratio": chosen, "single_turn_budget_search": budget,
+        "drift_threshold": threshold, "threshold_calibration": calib,
         "conditions": {name: summarise(rows) for name, rows in per_condition.items()},
         "detector": detector_quality(per_condition["c_drift"]),
         "second_signal": second_signal(per_condition["b_snapkv"], per_condition["c_drift"]),
@@ -260,6 +331,8 @@ def table(result: dict) -> str:
                      f"{ms:>13} {c['degenerate_rate']:>10.3f}")
     d = result["detector"]
     lines.append(f"detector (c): precision {d['precision']} recall {d['recall']} on {d['labelled_turns']} labelled turns")
+    lines.append(f"detector (c) caught shifts by signal: {d['caught_by']}")
+    lines.append(f"drift threshold {result['drift_threshold']}; calibration {result['threshold_calibration']}")
     lines.append(f"budget ratio {result['budget_ratio']}; single-turn search {result['single_turn_budget_search']}")
     lines.append(f"second signal (history attention): {result['second_signal']}")
     return "\n".join(lines)
