@@ -127,11 +127,12 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
 
 @bench.command("quality")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
-@click.option("--items", "n_items", default=5, show_default=True, help="Scenarios (lookup, copy, switch, rule each).")
-@click.option("--ratio", default=0.3, show_default=True, help="Budget ratio for the compressed methods.")
+@click.option("--items", "n_items", default=5, show_default=True,
+              help="Scenarios (a lookup, a copy, a switch and the rule in 5 role splits each).")
+@click.option("--ratio", default=0.7, show_default=True, help="Budget ratio for the compressed methods.")
 @click.option("--window", default=32, show_default=True, help="Observation window.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
-@click.option("--records", default=40, show_default=True, help="Directory records per document.")
+@click.option("--records", default=20, show_default=True, help="Directory records per document.")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors

@@ -6,19 +6,30 @@ import json
 
 from click.testing import CliRunner
 
-from snapkv_sessions.bench.quality import RULE, items, method_policy, rule_followed
+from snapkv_sessions.bench.quality import RULE, copy_score, items, method_policy, rule_followed
 from snapkv_sessions.cli import main
 
 
 def test_items_place_the_rule_in_each_role():
-    built = items(5)
-    rules = [i for i in built if i["task"] == "rule"]
+    built = items(2)
+    assert len(built) == 2 * 8
+    rules = [i for i in built[:8] if i["task"] == "rule"]
     assert [i["split"] for i in rules] == ["system", "developer", "tool_schema", "user", "document"]
     assert rules[0]["setup"][0] == {"role": "system", "content": RULE}
     assert rules[3]["turns"][0][0].startswith(RULE)
     assert rules[4]["setup"][0]["content"].startswith(RULE + "\nSTAFF DIRECTORY")
     assert [i["task"] for i in built[:4]] == ["lookup", "copy", "switch", "rule"]
-    assert rule_followed(" answer: B-12") and not rule_followed("B-12")
+    copy_item = built[1]
+    assert copy_item["turns"][0][1][0] in copy_item["setup"][0]["content"].splitlines()
+
+
+def test_scoring_rule_and_copy():
+    assert rule_followed('{"answer": "B-12"}') and rule_followed('```json\n{"answer": "B-12"}\n```')
+    assert not rule_followed("B-12") and not rule_followed('["answer"]') and not rule_followed('{"office": 1}')
+    line = "Ada Moreau: office B-12, department Legal."
+    assert copy_score(line, line) == 1.0 and copy_score("Sure: " + line, line) == 1.0
+    assert copy_score("Ada Moreau: office B-12", line) == 0.5  # 3 of 6 words: "B-12" lacks its comma
+    assert copy_score("", line) == 0.0 and copy_score("legal. department", line) == 1 / 6
 
 
 def test_method_policies():
@@ -33,9 +44,13 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
                                     "--window", "16", "--max-new-tokens", "4", "--records", "8", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["items"] == 4 and set(out["summary"]) == {"full", "session", "streaming", "snapkv"}
+    assert out["items"] == 8 and set(out["summary"]) == {"full", "session", "streaming", "snapkv"}
     assert set(out["summary"]["full"]["by_task_split"]) == {"lookup/document", "copy/document", "switch/document",
-                                                            "rule/system"}
+                                                            *(f"rule/{r}" for r in ("system", "developer",
+                                                                                     "tool_schema", "user",
+                                                                                     "document"))}
+    copies = [r for r in out["rows"]["full"] if r["task"] == "copy"]
+    assert len(copies) == 1 and 0.0 <= copies[0]["copy_score"] <= 1.0
     png = tmp_path / "knee.png"
     res = CliRunner().invoke(main, ["bench", "knee", "--model", "smollm2-135m-instruct", "--items", "1",
                                     "--budgets", "0.1,0.5", "--window", "16", "--max-new-tokens", "4", "--lengths", "6,10",

@@ -33,6 +33,7 @@ class Turn:
     question: str
     expect: list[str]  # the reply is right if it contains any of these (case-insensitive)
     label: str  # "first", "follow" or "shift"
+    kind: str = "lookup"  # lookup, summary, copy or rule: what the turn asks for
 
 
 @dataclass
@@ -63,14 +64,21 @@ def make_scenario(seed: int, records: int = 40) -> Scenario:
         Turn(f"Which office did you say {a['name']} is in? Repeat it.", [a["office"]], "follow"),
         Turn(f"What is the office of {b['name']}?", [b["office"]], "shift"),
         Turn("And in which department does that person work?", [b["dept"]], "follow"),  # no name: a pronoun
-        Turn(f"Summarise in one sentence who works in the {dept} department.", members, "shift"),
+        Turn(f"Summarise in one sentence who works in the {dept} department.", members, "shift", "summary"),
         Turn(f"Name one person who works in the {dept} department.", members, "follow"),
-        Turn(f"Copy the directory line of the employee with id {c['id']} exactly, nothing else.", [line_c], "shift"),
+        Turn(f"Copy the directory line of the employee with id {c['id']} exactly, nothing else.", [line_c], "shift",
+             "copy"),
         Turn(f"What extension does the employee with id {c['id']} have?", [c["ext"]], "follow"),
-        Turn(f"What is the phone extension of {d['name']}? Follow the rule at the top.", [f"EXT-{d['ext']}"], "shift"),
+        Turn(f"What is the phone extension of {d['name']}? Follow the rule at the top.", [f"EXT-{d['ext']}"], "shift",
+             "rule"),
         Turn(f"And the office of {d['name']}?", [d["office"]], "follow"),
     ]
     return Scenario(document, turns)
+
+
+def first_turn(scenario: Scenario, kind: str) -> Turn:
+    """The scenario's first turn of ``kind`` (lookup, summary, copy, rule)."""
+    return next(t for t in scenario.turns if t.kind == kind)
 
 
 def is_correct(reply: str, expect: list[str]) -> bool:
@@ -182,7 +190,7 @@ def run_session(runner, scenario: Scenario, policy: Policy, max_new_tokens: int)
         reprefill = next((p for k, p in reply.events if k == "reprefill"), None)
         drift = next((p for k, p in reply.events if k == "drift"), {})
         rows.append({
-            "label": turn.label, "correct": is_correct(reply.text, turn.expect),
+            "label": turn.label, "kind": turn.kind, "correct": is_correct(reply.text, turn.expect),
             "degenerate": is_degenerate(reply.token_ids, reply.stop_reason),
             "decision": rec["drift_decision"], "drift": rec["drift_score"],
             "embedding_drift": drift.get("embedding_drift"), "missing_terms": drift.get("missing_terms", []),
@@ -232,6 +240,9 @@ def summarise(rows: list[dict]) -> dict:
         "reprefill_ms_median": round(statistics.median([r["reprefill_ms"] for r in reprefills]), 1) if reprefills else None,
         "degenerate_rate": round(sum(r["degenerate"] for r in rows) / len(rows), 3),
         "turn_ms_median": round(statistics.median(r["turn_ms"] for r in rows), 1),
+        "by_kind": {kind: round(sum(r["correct"] for r in rows if r.get("kind") == kind)
+                                / sum(r.get("kind") == kind for r in rows), 3)
+                    for kind in sorted({r.get("kind") for r in rows if r.get("kind")})},
     }
 
 
