@@ -13,6 +13,32 @@ TEMPLATE_ROLE = {"system": "system", "developer": "system", "tool_schema": "syst
                  "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
+def format_tool_calls(tool_calls: list[dict]) -> str:
+    """Tool calls as the model writes them (Hermes / Qwen style), one ``<tool_call>`` block per call.
+
+    Accepts OpenAI calls (``{"id", "type": "function", "function": {"name", "arguments": "<json>"}}``) and flat
+    ones (``{"name", "arguments" or "args", "id"}``, as LangChain keeps them). The block is what the model is
+    prompted to emit, so a stored history reads to the model like its own earlier replies; the ``id`` is kept
+    so a tool result (stored with ``name`` = the call id) can be traced back to its call.
+    """
+    blocks = []
+    for call in tool_calls:
+        if not isinstance(call, dict):
+            raise ConfigError("msg.tool_calls", call, "each tool call must be a dict")
+        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        args = fn.get("arguments", fn.get("args", {}))
+        if isinstance(args, str):  # OpenAI sends the arguments as JSON text
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # not JSON: kept verbatim, as the caller sent it
+        body = {"name": fn.get("name"), "arguments": args}
+        if call.get("id"):
+            body["id"] = call["id"]
+        blocks.append("<tool_call>\n" + json.dumps(body, ensure_ascii=False) + "\n</tool_call>")
+    return "\n".join(blocks)
+
+
 class TemplateError(ConfigError):
     """The chat template does not render a conversation as a stable prefix of its extension."""
 
@@ -40,10 +66,11 @@ class Message:
         if role not in ROLES:
             raise ConfigError("msg.role", role, f"must be one of {list(ROLES)}")
         content = msg.get("content")
-        if content is None and msg.get("tool_calls"):
-            content = json.dumps({"tool_calls": msg["tool_calls"]}, ensure_ascii=False, sort_keys=True)
         if isinstance(content, list):  # OpenAI content parts: keep the text parts
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if msg.get("tool_calls") and (content is None or isinstance(content, str)):
+            calls = format_tool_calls(msg["tool_calls"])  # an assistant's tool calls are part of what it said
+            content = f"{content}\n{calls}" if content else calls
         if not isinstance(content, str):
             raise ConfigError("msg.content", content, "must be a string")
         name = msg.get("name") or msg.get("tool_call_id")

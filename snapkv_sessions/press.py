@@ -81,23 +81,27 @@ class SnapKV:
         return grouped.mean(dim=2)  # (B, Hkv, P)
 
 
-def spread_over_words(scores: torch.Tensor, word_ids: torch.Tensor) -> torch.Tensor:
+def spread_over_words(scores: torch.Tensor, word_ids: torch.Tensor, num_words: int | None = None) -> torch.Tensor:
     """Give every token the best score of its word.
 
     Parameters
     ----------
     scores : (B, Hkv, P)
-    word_ids : (B, Hkv, P) long, the word each slot's token belongs to (any ids, equal within a word)
+    word_ids : (B, Hkv, P) long, the word each slot's token belongs to (equal within a word)
+    num_words : an upper bound on the word ids (exclusive) when the caller knows it on the host (the engine
+        does: ids are below the context length); None renumbers the ids densely first
 
     Returns
     -------
     (B, Hkv, P)
     """
-    dense = torch.unique(word_ids, return_inverse=True)[1]  # (B, Hkv, P) ids in [0, n_words)
-    best = torch.full((*scores.shape[:2], int(dense.max()) + 1), float("-inf"), dtype=scores.dtype,
-                      device=scores.device)  # (B, Hkv, n_words)
-    best = best.scatter_reduce(-1, dense, scores, reduce="amax")
-    return best.gather(-1, dense)  # (B, Hkv, P)
+    if num_words is None:
+        word_ids = torch.unique(word_ids, return_inverse=True)[1]  # (B, Hkv, P) ids in [0, n_words)
+        num_words = scores.shape[-1]  # n_words <= P; reading n_words would wait on the device
+    best = torch.full((*scores.shape[:2], num_words), float("-inf"), dtype=scores.dtype,
+                      device=scores.device)  # (B, Hkv, num_words)
+    best = best.scatter_reduce(-1, word_ids, scores, reduce="amax")
+    return best.gather(-1, word_ids)  # (B, Hkv, P)
 
 
 def streaming_positions(length: int, budget: int, sinks: int, bsz: int, n_kv: int, device) -> torch.Tensor:
@@ -108,7 +112,8 @@ def streaming_positions(length: int, budget: int, sinks: int, bsz: int, n_kv: in
 
 
 def select_positions(
-    scores: torch.Tensor, keep: int, window: int, pinned: torch.Tensor | None, grow: bool, layer: int
+    scores: torch.Tensor, keep: int, window: int, pinned: torch.Tensor | None, grow: bool, layer: int,
+    n_pinned: int | None = None,
 ) -> torch.Tensor:
     """Cache slots to keep: top-``keep`` history slots per KV head, pins forced in, plus the window.
 
@@ -118,6 +123,8 @@ def select_positions(
     keep : history slots to keep per KV head (the budget minus the window)
     pinned : (B, Hkv, P) bool, history slots that must be kept, or None
     grow : keep every pin even past ``keep`` (else raise :class:`BudgetError`)
+    n_pinned : the most pinned slots any head has, when the caller knows it on the host (the engine does);
+        None counts them on the device, which makes the host wait for it
 
     Returns
     -------
@@ -125,7 +132,8 @@ def select_positions(
     """
     bsz, n_kv, hist = scores.shape
     if pinned is not None:
-        n_pinned = int(pinned.sum(dim=-1).max())
+        if n_pinned is None:
+            n_pinned = int(pinned.sum(dim=-1).max())
         if n_pinned > keep:
             if not grow:
                 raise BudgetError(

@@ -18,6 +18,7 @@ from .cache import CompactCache, set_layer
 from .config import CompressionConfig
 from .errors import ConfigError, UnsupportedModelError
 from .generation import GenerationConfig, Sampler
+from .gpu import fused_scorer
 from .press import SnapKV, layer_budgets, select_positions, spread_over_words, streaming_positions
 from .report import CompressionReport
 from .state import KVState
@@ -234,7 +235,10 @@ class ModelRunner:
         Layers whose cache already fits their budget are left alone. Pinned positions are always kept;
         ``protect`` (N,) bool over true positions is kept for this compression only (the current question).
         """
-        keep_mask = state.pinned if protect is None else state.pinned | protect[: state.next_position]  # (N,)
+        # The keep mask lives on the host (pins are known there); the selection gets a device copy, and the
+        # pin count comes from the host copy, so choosing slots never waits on the device.
+        keep_host = state.pinned.cpu() if protect is None else state.pinned.cpu() | protect[: state.next_position].cpu()
+        keep_mask = keep_host.to(self.device)  # (N,)
         window = probe.window
         budgets = layer_budgets(cfg, self.num_layers, state.next_position)
         report = CompressionReport(
@@ -247,9 +251,15 @@ class ModelRunner:
             score_ms=probe.seconds * 1e3,
             kv_bytes_before=state.kv_bytes(),
         )
-        report.history_attention = self._history_attention(state, probe)
-        scorer = SnapKV(window=window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
+        history = self._history_attention(state, probe)  # a device scalar: read once, at the end
+        # the fused Triton scorer on CUDA (snapkv_sessions.gpu), else the torch fallback: equal scores
+        scorer = fused_scorer(self.device, window, cfg.kernel, cfg.pooling, cfg.head_reduce) or SnapKV(
+            window=window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
         grow = cfg.pin_overflow == "grow"
+        # pins plus protected tokens in the history part (all but the window); never evicted, so every
+        # layer and head holds all of them
+        n_pinned = int(keep_host[: state.next_position - window].sum())
+        word_ids = self._word_ids(state) if cfg.span_aware and cfg.method != "streaming" else None
         for layer, lay in enumerate(state.cache.layers):
             length = lay.keys.shape[-2]
             if probe.scores[layer].shape[-1] != length:
@@ -257,35 +267,52 @@ class ModelRunner:
                                   "right after the prefill that observed")
             if length > budgets[layer]:
                 t0 = time.perf_counter()
-                idx = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow)  # (B, Hkv, K)
+                idx = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow, n_pinned,
+                                   word_ids)  # (B, Hkv, K)
                 t1 = time.perf_counter()
                 gather = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
                 set_layer(lay, lay.keys.gather(2, gather), lay.values.gather(2, gather))  # (B, Hkv, K, D) each
                 state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
                 report.select_ms += (t1 - t0) * 1e3
                 report.gather_ms += (time.perf_counter() - t1) * 1e3
-            pos = state.positions[layer][0]  # (Hkv, K)
-            report.tokens_after.append(int(pos.shape[-1]))
-            report.kept.append([int(pos.shape[-1])] * self.num_kv_heads)
-            report.kept_new.append((pos >= probe.turn_start).sum(-1).tolist())
-        report.pinned_kept = self._pinned_kept(state)
-        report.kv_bytes_after = state.kv_bytes()
+        self._fill_report(report, state, probe, history)
         state.reports.append(report)
         return report
 
+    def _fill_report(self, report: CompressionReport, state: KVState, probe: WindowProbe,
+                     history: torch.Tensor | None) -> None:
+        """Per-layer counts for the report, read from the device in one transfer after all layers are done."""
+        report.tokens_after = state.cache_lengths()
+        report.kept = [[n] * self.num_kv_heads for n in report.tokens_after]
+        pinned = state.pinned.to(self.device)  # (N,)
+        new = torch.stack([(p[0] >= probe.turn_start).sum(-1) for p in state.positions])  # (L, Hkv)
+        held = torch.stack([pinned[p[0]].sum(-1).min() for p in state.positions])  # (L,) fewest pins over heads
+        # counts stay below 2**24, so float32 carries them exactly alongside the attention mass
+        parts = [new.flatten().float(), held.float()]
+        if history is not None:
+            parts.append(history.float().reshape(1))
+        values = torch.cat(parts).tolist()
+        n_new = new.numel()
+        report.kept_new = [[int(v) for v in values[i : i + new.shape[1]]] for i in range(0, n_new, new.shape[1])]
+        report.pinned_kept = int(min(values[n_new : n_new + held.numel()]))
+        report.history_attention = values[-1] if history is not None else None
+        report.kv_bytes_after = state.kv_bytes()
+
     def _select(self, state: KVState, probe: WindowProbe, cfg: CompressionConfig, scorer: SnapKV,
-                keep_mask: torch.Tensor, layer: int, budget: int, grow: bool) -> torch.Tensor:
-        """Sorted slot indices to keep in one layer, (B, Hkv, K)."""
+                keep_mask: torch.Tensor, layer: int, budget: int, grow: bool, n_pinned: int | None = None,
+                word_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Sorted slot indices to keep in one layer, (B, Hkv, K). No host synchronisation."""
         positions = state.positions[layer]  # (B, Hkv, T)
         length, window = positions.shape[-1], probe.window
         if cfg.method == "streaming":
             return streaming_positions(length, budget, cfg.sinks, *positions.shape[:2], positions.device)
         scores = scorer.score(probe.scores[layer], self.num_kv_heads)  # (B, Hkv, T - W)
         hist_pos = positions[..., : length - window]  # (B, Hkv, T - W)
-        if cfg.span_aware:
-            scores = spread_over_words(scores, self._word_ids(state)[hist_pos])  # (B, Hkv, T - W)
+        if word_ids is not None:
+            # word ids count word starts, so they stay below the number of true positions
+            scores = spread_over_words(scores, word_ids[hist_pos], num_words=len(word_ids) + 1)  # (B, Hkv, T - W)
         pinned = keep_mask[hist_pos]  # (B, Hkv, T - W)
-        return select_positions(scores, budget - window, window, pinned, grow, layer)  # (B, Hkv, K)
+        return select_positions(scores, budget - window, window, pinned, grow, layer, n_pinned)  # (B, Hkv, K)
 
     def _word_ids(self, state: KVState) -> torch.Tensor:
         """(N,) word index of every true position: a new word starts at a token that begins with whitespace."""
@@ -298,21 +325,19 @@ class ModelRunner:
         return torch.tensor(starts, dtype=torch.long, device=self.device).cumsum(0)  # (N,)
 
     @staticmethod
-    def _history_attention(state: KVState, probe: WindowProbe, sinks: int = 4) -> float | None:
-        """Window attention mass on the slots that predate this prefill, sinks excluded, mean over layers."""
+    def _history_attention(state: KVState, probe: WindowProbe, sinks: int = 4) -> torch.Tensor | None:
+        """Window attention mass on the slots that predate this prefill, sinks excluded, mean over layers.
+
+        A 0-d device tensor (not read here: the caller reads it with the rest of the report)."""
+        if probe.turn_start <= sinks or not probe.scores:
+            return None
         masses = []
         for layer, scores in probe.scores.items():  # (B, Hq, T)
             pos = state.positions[layer]  # (B, Hkv, T)
             old = (pos < probe.turn_start) & (pos >= sinks)  # (B, Hkv, T) slots from earlier turns, no sinks
             old = old.repeat_interleave(scores.shape[1] // pos.shape[1], dim=1)  # (B, Hq, T)
-            masses.append(float((scores * old).sum(-1).mean()))
-        return sum(masses) / len(masses) if probe.turn_start > sinks and masses else None
-
-    @staticmethod
-    def _pinned_kept(state: KVState) -> int:
-        """Pinned positions held by the layer and head that holds the fewest."""
-        counts = [state.pinned[p[0]].sum(-1).min() for p in state.positions]  # per layer: min over heads
-        return int(min(counts)) if counts else 0
+            masses.append((scores * old).sum(-1).mean())
+        return torch.stack(masses).mean()
 
     # ---------------------------------------------------------------- one turn
 

@@ -206,6 +206,14 @@ class Session:
         with self.store.lock(self.id):
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned)["seq"]
 
+    def add_history(self, msg: str | dict | Message) -> int:
+        """Commit a message of an exchange that happened outside this session (any role, user and assistant
+        included), as ``Session.create(history=...)`` does; it is fed to the cache with the next turn."""
+        message = Message.coerce(msg)
+        self._admit(message)
+        with self.store.lock(self.id):
+            return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned)["seq"]
+
     def add_document(self, text: str, name: str | None = None, pinned: bool = False) -> int:
         """Commit a document; it enters the cache with the next turn (pinned documents are never evicted)."""
         return self.add_message(Message(role="document", content=text, name=name, pinned=pinned))

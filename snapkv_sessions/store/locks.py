@@ -89,7 +89,9 @@ def redis_lock(client, session_id: str, timeout: float) -> Iterator[bool]:
     import redis
 
     # A short TTL, renewed while held, so that a killed worker's lock frees itself within seconds.
-    lock = client.lock(f"snapkv:lock:{session_id}", timeout=REDIS_TTL_S, blocking_timeout=timeout)
+    # thread_local=False: the renewal thread extends the lock, and a thread-local token is invisible to it
+    lock = client.lock(f"snapkv:lock:{session_id}", timeout=REDIS_TTL_S, blocking_timeout=timeout,
+                       thread_local=False)
     try:
         acquired = lock.acquire()
     except redis.RedisError as exc:

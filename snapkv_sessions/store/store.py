@@ -52,7 +52,13 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url)
+        if url in ("sqlite://", "sqlite:///:memory:"):
+            # one in-memory database shared by every thread (each new connection would be a new, empty one)
+            from sqlalchemy.pool import StaticPool
+
+            engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+        else:
+            engine = create_engine(url)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(url, pool_pre_ping=True)

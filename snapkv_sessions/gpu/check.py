@@ -1,0 +1,179 @@
+"""The prepared GPU check: ``python -m snapkv_sessions.gpu.check``. Prints one JSON object.
+
+On CUDA (default ``--model qwen2.5-coder-0.5b-instruct --dtype bf16 --lengths 16384,32768``), for each length:
+
+* ``selection_identical``: the kept indices of the device path (fused Triton scorer where available, selection
+  on the device) equal the CPU fp32 reference (torch scorer, CPU selection) run on the same window scores;
+* ``tpot_ms``: median time per output token, full cache versus the budget (10% by default), and their ratio;
+* ``compression_share``: compression time (selection and gather; the window scores are part of the prefill)
+  as a share of the prefill;
+* ``peak_memory_bytes``: the device's peak allocated memory over the run.
+
+``--device cpu`` runs the same code on a tiny random Llama-style GQA model at short lengths in fp32, with the
+Triton kernel in Triton's interpreter when Triton is installed; the tests run it, so the check cannot rot.
+Timings are taken with the device synchronised around each measured span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m snapkv_sessions.gpu.check", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
+    ap.add_argument("--model", default=None, help="model id/bundle (default: Qwen on CUDA, a tiny model on CPU)")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--lengths", default=None, help="comma-separated prompt lengths in tokens")
+    ap.add_argument("--budget", type=float, default=0.1, help="budget ratio of the compressed run")
+    ap.add_argument("--window", type=int, default=None, help="observation window (default 32; 16 on CPU)")
+    ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per run")
+    return ap.parse_args(argv)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tiny_model():
+    """A 2-layer Llama-style GQA model (4 query heads, 2 KV heads) with random weights; no download."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return AutoModelForCausalLM.from_config(cfg).eval(), None
+
+
+def _reference_kept(runner, probe, positions, keep_mask, cfg, budgets) -> list:
+    """Per layer, the kept true positions from the CPU fp32 torch path on the same window scores."""
+    from ..press import SnapKV, select_positions
+
+    scorer = SnapKV(window=probe.window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
+    kept = []
+    for layer, pos in enumerate(positions):
+        pos = pos.cpu()  # (B, Hkv, T)
+        length = pos.shape[-1]
+        if length <= budgets[layer]:
+            kept.append(pos)
+            continue
+        scores = scorer.score(probe.scores[layer].cpu().float(), runner.num_kv_heads)  # (B, Hkv, T - W)
+        hist = pos[..., : length - probe.window]  # (B, Hkv, T - W)
+        idx = select_positions(scores, budgets[layer] - probe.window, probe.window, keep_mask[hist], True, layer)
+        kept.append(pos.gather(-1, idx))  # (B, Hkv, K)
+    return kept
+
+
+def _tpot(runner, state, logits, steps: int) -> float:
+    """Median ms per decode step (greedy), the device synchronised around each step."""
+    device = runner.device
+    state.cache.reserve(steps + 1) if hasattr(state.cache, "reserve") else None
+    times, tok = [], int(logits.argmax())
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = runner.step(state, tok)
+        tok = int(logits.argmax())  # the sampled token is needed on the host anyway
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(runner, length: int, budget: float, window: int, steps: int) -> dict:
+    import torch
+
+    from ..config import CompressionConfig
+    from ..press import layer_budgets
+
+    device = runner.device
+    gen = torch.Generator().manual_seed(length)
+    vocab = runner.model.config.vocab_size
+    ids = torch.randint(0, vocab, (length,), generator=gen).tolist()
+    pinned = [i < 4 for i in range(length)]  # the sinks, to exercise the pin path
+    state = runner.new_state()
+    _sync(device)
+    t0 = time.perf_counter()
+    logits, probe = runner.prefill(state, ids, pinned=pinned, window=window)
+    _sync(device)
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    full = copy.deepcopy(state)
+    cfg = CompressionConfig.make(budget_ratio=budget, window=window)
+    before = [p.clone() for p in state.positions]
+    _sync(device)
+    t1 = time.perf_counter()
+    runner.compress(state, cfg, probe)
+    _sync(device)
+    compress_ms = (time.perf_counter() - t1) * 1e3
+    reference = _reference_kept(runner, probe, before, state.pinned.cpu(), cfg,
+                                layer_budgets(cfg, runner.num_layers, length))
+    identical = [bool(torch.equal(p.cpu(), r)) for p, r in zip(state.positions, reference, strict=True)]
+    del probe, before
+    tpot_full = _tpot(runner, full, logits, steps)
+    del full
+    tpot_budget = _tpot(runner, state, logits, steps)
+    return {
+        "length": length, "kept_per_layer": state.cache_lengths()[0], "prefill_ms": round(prefill_ms, 1),
+        "compress_ms": round(compress_ms, 2), "compression_share": round(compress_ms / prefill_ms, 4),
+        "selection_identical": all(identical), "layers_identical": f"{sum(identical)}/{len(identical)}",
+        "tpot_ms": {"full": round(tpot_full, 3), "budget": round(tpot_budget, 3),
+                    "speedup": round(tpot_full / tpot_budget, 3)},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parse(argv)
+    want_cpu = args.device == "cpu"
+    if want_cpu and os.environ.get("TRITON_INTERPRET") is None:
+        # Triton's interpreter runs the fused kernel on CPU tensors; it must be set before Triton is imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from ..runner import ModelRunner
+    from . import fused_scorer
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    on_cuda = device.type == "cuda"
+    dtype_name = args.dtype or ("bf16" if on_cuda else "fp32")
+    lengths = [int(x) for x in (args.lengths or ("16384,32768" if on_cuda else "512,1024")).split(",")]
+    args.window = args.window or (32 if on_cuda else 16)
+    model_name = args.model or ("qwen2.5-coder-0.5b-instruct" if on_cuda else "tiny")
+    t_start = time.perf_counter()
+    if model_name == "tiny":
+        model, tok = _tiny_model()
+    else:
+        from ..models import load_model
+
+        model, tok = load_model(model_name)
+    model = model.to(device=device, dtype=getattr(torch, DTYPES[dtype_name]))
+    runner = ModelRunner(model, tok)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    fused = fused_scorer(device, args.window, 7, "avg", "mean") is not None
+    runs = [measure(runner, n, args.budget, args.window, args.decode_steps) for n in lengths]
+    result = {
+        "check": "snapkv_sessions.gpu.check", "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+        "torch": torch.__version__, "model": model_name, "dtype": dtype_name, "window_scores_dtype": "float32",
+        "budget_ratio": args.budget, "window": args.window, "decode_steps": args.decode_steps,
+        "fused_triton_scorer": fused, "runs": runs,
+        "selection_identical": all(r["selection_identical"] for r in runs),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else None,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["selection_identical"] else 1)
