@@ -87,6 +87,11 @@ class CompactCache(Cache):
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)
 
+    def replace_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Every layer holds exactly its slice of ``keys``/``values`` (L, B, Hkv, K, D): one storage for all."""
+        for layer, lay in enumerate(self.layers):
+            lay.replace(keys[layer], values[layer])  # contiguous slices: views, no copy
+
 
 def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Store compressed keys/values in any supported cache layer."""

@@ -18,7 +18,7 @@ from .cache import CompactCache, set_layer
 from .config import CompressionConfig
 from .errors import ConfigError, UnsupportedModelError
 from .generation import GenerationConfig, Sampler
-from .gpu import fused_scorer
+from .gpu import fused_gather, fused_scorer
 from .press import SnapKV, layer_budgets, select_positions, spread_over_words, streaming_positions
 from .report import CompressionReport
 from .state import KVState
@@ -260,24 +260,42 @@ class ModelRunner:
         # layer and head holds all of them
         n_pinned = int(keep_host[: state.next_position - window].sum())
         word_ids = self._word_ids(state) if cfg.span_aware and cfg.method != "streaming" else None
+        chosen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, K) slots to keep
+        t0 = time.perf_counter()
         for layer, lay in enumerate(state.cache.layers):
             length = lay.keys.shape[-2]
             if probe.scores[layer].shape[-1] != length:
                 raise ConfigError("probe", f"layer {layer}", "was recorded on another cache length; compress "
                                   "right after the prefill that observed")
             if length > budgets[layer]:
-                t0 = time.perf_counter()
-                idx = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow, n_pinned,
-                                   word_ids)  # (B, Hkv, K)
-                t1 = time.perf_counter()
-                gather = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
-                set_layer(lay, lay.keys.gather(2, gather), lay.values.gather(2, gather))  # (B, Hkv, K, D) each
-                state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
-                report.select_ms += (t1 - t0) * 1e3
-                report.gather_ms += (time.perf_counter() - t1) * 1e3
+                chosen[layer] = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow,
+                                             n_pinned, word_ids)  # (B, Hkv, K)
+        t1 = time.perf_counter()
+        self._gather(state, chosen)
+        report.select_ms = (t1 - t0) * 1e3
+        report.gather_ms = (time.perf_counter() - t1) * 1e3
         self._fill_report(report, state, probe, history)
         state.reports.append(report)
         return report
+
+    def _gather(self, state: KVState, chosen: dict[int, torch.Tensor]) -> None:
+        """Keep the chosen slots: every layer in one fused launch where it applies, else layer by layer."""
+        layers = state.cache.layers
+        fused = None
+        if (isinstance(state.cache, CompactCache) and len(chosen) == len(layers)
+                and len({idx.shape for idx in chosen.values()}) == 1):
+            fused = fused_gather(self.device)  # Triton on CUDA; None elsewhere
+        if fused is not None:
+            idx = torch.stack([chosen[layer] for layer in range(len(layers))])  # (L, B, Hkv, K)
+            keys, values = fused([lay.keys for lay in layers], [lay.values for lay in layers], idx)  # (L, B, Hkv, K, D)
+            state.cache.replace_all(keys, values)
+        else:
+            for layer, idx in chosen.items():
+                lay = layers[layer]
+                rows = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
+                set_layer(lay, lay.keys.gather(2, rows), lay.values.gather(2, rows))  # (B, Hkv, K, D) each
+        for layer, idx in chosen.items():
+            state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
 
     def _fill_report(self, report: CompressionReport, state: KVState, probe: WindowProbe,
                      history: torch.Tensor | None) -> None:

@@ -118,9 +118,66 @@ def test_gpu_check_cpu_mode():
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["device"] == "cpu" and out["dtype"] == "fp32" and out["window_scores_dtype"] == "float32"
-    assert out["fused_triton_scorer"] is triton_available()
+    assert out["fused_triton_scorer"] is triton_available() and out["fused_triton_gather"] is triton_available()
     assert out["selection_identical"] is True and [r["length"] for r in out["runs"]] == [256, 512]
     for run in out["runs"]:
         assert run["layers_identical"] == "2/2" and run["tpot_ms"]["full"] > 0 and run["tpot_ms"]["budget"] > 0
         assert 0 < run["compression_share"] and run["kept_per_layer"] < run["length"]
     assert out["peak_memory_bytes"] is None
+
+
+@needs_triton
+def test_fused_gather_equals_per_layer_gather_and_the_engine_uses_it():
+    code = """
+import json, torch
+from snapkv_sessions.gpu.triton_gather import gather_layers
+from snapkv_sessions import ModelRunner, CompressionConfig
+from transformers import LlamaConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+# views of buffers with different capacities, as a CompactCache holds them
+keys = [torch.randn(1, 2, cap, 16)[:, :, :80] for cap in (100, 120, 80)]
+values = [torch.randn(1, 2, cap, 16)[:, :, :80] for cap in (90, 80, 130)]
+idx = torch.stack([torch.randperm(80)[:40].sort().values.expand(1, 2, 40) for _ in range(3)])
+k, v = gather_layers(keys, values, idx)
+ref_k = torch.stack([t.gather(2, i[..., None].expand(-1, -1, -1, 16)) for t, i in zip(keys, idx)])
+ref_v = torch.stack([t.gather(2, i[..., None].expand(-1, -1, -1, 16)) for t, i in zip(values, idx)])
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+runner = ModelRunner(AutoModelForCausalLM.from_config(cfg).eval())
+state = runner.new_state()
+logits, probe = runner.prefill(state, list(range(1, 60)), window=8)
+runner.compress(state, CompressionConfig.make(budget=24, window=8), probe)
+shared = len({lay._k.untyped_storage().data_ptr() for lay in state.cache.layers}) == 1
+print(json.dumps([torch.equal(k, ref_k), torch.equal(v, ref_v), shared, state.cache_lengths()]))
+"""
+    res = _run(code, TRITON_INTERPRET="1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [True, True, True, [24, 24]]
+
+
+def test_engine_output_is_the_same_with_and_without_fast_paths():
+    """One compressed two-turn run, torch fallback versus the fused paths (interpreted): same kept positions,
+    same logits, same tokens."""
+    if not triton_available():
+        pytest.skip("triton not installed (pip install triton)")
+    code = """
+import json, torch
+from snapkv_sessions import ModelRunner, CompressionConfig
+from snapkv_sessions.generation import GenerationConfig
+from transformers import LlamaConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2)
+model = AutoModelForCausalLM.from_config(cfg).eval()
+runner = ModelRunner(model)
+state = runner.new_state()
+comp = CompressionConfig.make(budget=40, window=8)
+a = runner.turn(state, [i % 60 + 1 for i in range(90)], comp, GenerationConfig(max_new_tokens=6))
+b = runner.turn(state, list(range(5, 30)), comp, GenerationConfig(max_new_tokens=6))
+print(json.dumps({"tokens": a.tokens + b.tokens, "kept": [p.tolist() for p in state.positions]}))
+"""
+    runs = [_run(code, TRITON_INTERPRET=flag, SNAPKV_SESSIONS_FUSED=fused) for flag, fused in (("1", "1"), ("", "0"))]
+    for res in runs:
+        assert res.returncode == 0, res.stderr[-2000:]
+    fast, plain = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert fast == plain and len(fast["tokens"]) == 12

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from ..runner import ModelRunner
-    from . import fused_scorer
+    from . import fused_gather, fused_scorer
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         "check": "snapkv_sessions.gpu.check", "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "torch": torch.__version__, "model": model_name, "dtype": dtype_name, "window_scores_dtype": "float32",
         "budget_ratio": args.budget, "window": args.window, "decode_steps": args.decode_steps,
-        "fused_triton_scorer": fused, "runs": runs,
+        "fused_triton_scorer": fused, "fused_triton_gather": fused_gather(device) is not None, "runs": runs,
         "selection_identical": all(r["selection_identical"] for r in runs),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else None,
         "seconds": round(time.perf_counter() - t_start, 1),
