@@ -75,7 +75,7 @@ class DriftPolicy(_Strict):
     """Task-shift detection from query-embedding drift (1 - max cosine similarity to the working set)."""
 
     embedder: Literal["minilm", "model", "none"] = "minilm"
-    threshold: float = Field(default=0.6, ge=0.0, le=2.0)
+    threshold: float = Field(default=0.75, ge=0.0, le=2.0)
     new_subject: bool = True  # a query naming only things the working set never named counts as a shift
     action: Literal["reprefill", "warn", "never"] = "reprefill"
 

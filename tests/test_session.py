@@ -234,3 +234,15 @@ def test_openai_style_messages(smollm2, tmp_path):
     assert reply.turn == 1
     assert [(m["role"], m["content"]) for m in store.messages(session.id)][:2] == [("system", "Be brief."),
                                                                                   ("user", "Say hi.")]
+
+
+def test_in_memory_store_is_one_database_for_every_thread():
+    import threading
+
+    store = SessionStore("sqlite://")
+    sid = store.create_session("m", "{}", "h")
+    seen: list = []
+    worker = threading.Thread(target=lambda: seen.append(store.get_session(sid)["model_id"]))
+    worker.start()
+    worker.join()
+    assert seen == ["m"]

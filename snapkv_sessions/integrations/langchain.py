@@ -49,13 +49,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("snapkv_sessions.integrations.langchain needs langchain-core: "
                       "pip install 'snapkv-sessions[langchain]'") from exc
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
-from sqlalchemy import select
 
 from ..chat import Message
 from ..errors import ConfigError
 from ..policy import ROLES, Policy
 from ..session import Reply, Session
-from ..store import SessionStore, schema
+from ..store import SessionStore
 from .openai import TOOL_CALL_OPEN, could_be_tool_call, parse_tool_calls, stored_text, tool_names, tool_schema_message
 
 # Cross-provider LangChain parameters (``init_chat_model`` and the standard tests pass them) that mean nothing for
@@ -350,10 +349,8 @@ class ChatSnapKV(BaseChatModel):
 
     def _stored_keys(self, session: Session, tools: list[str] | None) -> list[tuple]:
         """Keys of the session's active messages; a reply is keyed as the AIMessage it was returned as."""
-        with session.store.engine.connect() as conn:
-            done = conn.execute(select(schema.turns.c.turn, schema.turns.c.assistant_seq, schema.turns.c.generation)
-                                .where(schema.turns.c.session_id == session.id, schema.turns.c.status == "done")).all()
-        replies = {row.assistant_seq: (row.turn, (row.generation or {}).get("stop") or []) for row in done}
+        done = session.store.turns(session.id, status="done")
+        replies = {row["assistant_seq"]: (row["turn"], (row["generation"] or {}).get("stop") or []) for row in done}
         keys = []
         for msg in session.messages():
             if msg.seq in replies:
