@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from snapkv_sessions import Session, SessionStore
-from snapkv_sessions.drift import WorkingSet, evidence_missing, key_terms, make_embedder
+from snapkv_sessions.drift import WorkingSet, evidence_missing, key_terms, make_embedder, names_known, new_subject
 
 DOC = " ".join(f"Parcel {1000 + i} goes to {name}." for i, name in enumerate(
     ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]))
@@ -42,6 +42,21 @@ def test_key_terms_and_evidence_check():
     # held by exactly half of the layer/head pairs: not more than the quorum, still a miss
     kept_half = [np.arange(len(context))[None].repeat(2, 0), evicted[None].repeat(2, 0)]
     assert evidence_missing(["1010"], context, char_pos, kept_half) == ["1010"]
+
+
+def test_new_subject_signal():
+    assert names_known("Rossi", ["Sofia Rossi"]) and names_known("Sofia Rossi", ["Rossi"])
+    assert not names_known("Sofia Berg", ["Sofia Rossi"]) and not names_known("Ross", ["Sofia Rossi"])
+    # a query naming only things the working set never named is a new subject; naming nothing is not
+    assert new_subject(["Sofia Berg"], ["Sofia Rossi", "EMP-1234"])
+    assert not new_subject(["Sofia Berg", "EMP-1234"], ["Sofia Rossi", "EMP-1234"])
+    assert not new_subject([], ["Sofia Rossi"])
+    emb = make_embedder("minilm")
+    ws = WorkingSet(emb.dim)
+    ws.add("What is the office of Sofia Rossi?", emb.embed(["What is the office of Sofia Rossi?"])[0])
+    assert ws.terms == ["Sofia Rossi"]
+    ws.reset()
+    assert ws.terms == [] and ws.queries == []
 
 
 def chat_all(session: Session, questions: list[str]) -> list:
