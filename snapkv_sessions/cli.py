@@ -133,10 +133,11 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
 @click.option("--window", default=32, show_default=True, help="Observation window.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
 @click.option("--records", default=20, show_default=True, help="Directory records per document.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG bar chart here.")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_quality(model, n_items, ratio, window, max_new_tokens, records, out, as_json) -> None:
+def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_path, out, as_json) -> None:
     """Accuracy per task and role split: full cache, session, StreamingLLM, SnapKV without pins or recovery."""
     from .bench import quality
 
@@ -144,6 +145,8 @@ def bench_quality(model, n_items, ratio, window, max_new_tokens, records, out, a
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     result = quality.run_quality(quality.load_runner(model), n_items, ratio, window, max_new_tokens, records, log=log)
     result["model"] = model
+    if plot_path:
+        quality.quality_plot(result, plot_path)
     _emit(result, out, as_json, quality.quality_table)
 
 

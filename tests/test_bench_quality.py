@@ -41,7 +41,8 @@ def test_method_policies():
 
 def test_quality_and_knee_small_runs(smollm2, tmp_path):
     res = CliRunner().invoke(main, ["bench", "quality", "--model", "smollm2-135m-instruct", "--items", "1",
-                                    "--window", "16", "--max-new-tokens", "4", "--records", "8", "--json"])
+                                    "--window", "16", "--max-new-tokens", "4", "--records", "8", "--json",
+                                    "--plot", str(tmp_path / "quality.png")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["items"] == 8 and set(out["summary"]) == {"full", "session", "streaming", "snapkv"}
@@ -51,6 +52,7 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
                                                                                      "document"))}
     copies = [r for r in out["rows"]["full"] if r["task"] == "copy"]
     assert len(copies) == 1 and 0.0 <= copies[0]["copy_score"] <= 1.0
+    assert (tmp_path / "quality.png").stat().st_size > 10_000
     png = tmp_path / "knee.png"
     res = CliRunner().invoke(main, ["bench", "knee", "--model", "smollm2-135m-instruct", "--items", "1",
                                     "--budgets", "0.1,0.5", "--window", "16", "--max-new-tokens", "4", "--lengths", "6,10",
