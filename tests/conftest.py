@@ -1,7 +1,9 @@
 """Shared fixtures: tiny random models built from a config (no downloads), and the offline bundles.
 
-Under ``CI=true`` a skipped test marked ``bundle`` or ``service`` fails the run: CI installs the bundles and
-runs PostgreSQL and Redis, so such a skip means the environment is broken, not that the test may be skipped.
+Under ``CI=true`` a test marked ``bundle`` or ``service`` that skips because a bundle is not installed or a
+service is not reachable fails the run: CI installs the bundles and runs PostgreSQL and Redis, so such a skip
+means the environment is broken. (Expected failures, and features a standard suite declares unsupported, are
+not environment skips.)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from snapkv_sessions.models import bundle_available
 
 STRICT_MARKERS = ("bundle", "service")
+ENVIRONMENT_SKIPS = ("not installed", "not reachable")  # the reasons this suite gives for a missing bundle/service
 
 
 def tiny_config(kind: str, layers: int = 3):
@@ -84,7 +87,10 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     strict = os.environ.get("CI", "").lower() == "true" and any(item.get_closest_marker(m) for m in STRICT_MARKERS)
-    if strict and report.skipped:
-        report.outcome = "failed"
-        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.longrepr = f"skipped under CI=true, which must not happen for bundle/service tests: {reason}"
+    if strict and report.skipped and not hasattr(report, "wasxfail"):
+        reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
+        # a missing bundle or an unreachable service is a broken CI machine; a test that declares a feature
+        # unsupported (the LangChain standard suites do) is not
+        if any(phrase in reason for phrase in ENVIRONMENT_SKIPS):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under CI=true, which must not happen for bundle/service tests: {reason}"
