@@ -271,9 +271,10 @@ class ModelRunner:
                 chosen[layer] = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow,
                                              n_pinned, word_ids)  # (B, Hkv, K)
         t1 = time.perf_counter()
-        self._gather(state, chosen)
-        report.select_ms = (t1 - t0) * 1e3
-        report.gather_ms = (time.perf_counter() - t1) * 1e3
+        if chosen:  # a cache that fits every budget is left alone, and costs nothing
+            self._gather(state, chosen)
+            report.select_ms = (t1 - t0) * 1e3
+            report.gather_ms = (time.perf_counter() - t1) * 1e3
         self._fill_report(report, state, probe, history)
         state.reports.append(report)
         return report
