@@ -214,11 +214,6 @@ class Assessment:
         return {"score": self.score, "embedding_drift": self.embedding_drift, "missing_terms": self.missing_terms,
                 "new_terms": self.new_terms}
 
-    @property
-    def signals(self) -> list[str]:
-        """Which signals fired beyond the embedding: ``evidence``, ``new_subject``."""
-        return [name for name, hit in (("evidence", self.missing_terms), ("new_subject", self.new_terms)) if hit]
-
 
 class DriftMonitor:
     """The per-session working set and both signals. The embedder loads on first use."""

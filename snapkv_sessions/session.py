@@ -202,14 +202,15 @@ class Session:
         message = Message.coerce(msg, default_role="system")
         if message.role in ("user", "assistant"):
             raise ConfigError("msg.role", message.role, "user messages go through chat(); assistant ones are replies")
-        self._admit(message)
-        with self.store.lock(self.id):
-            return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned)["seq"]
+        return self._commit(message)
 
     def add_history(self, msg: str | dict | Message) -> int:
         """Commit a message of an exchange that happened outside this session (any role, user and assistant
         included), as ``Session.create(history=...)`` does; it is fed to the cache with the next turn."""
-        message = Message.coerce(msg)
+        return self._commit(Message.coerce(msg))
+
+    def _commit(self, message: Message) -> int:
+        """Admit ``message`` against the policy limits and append it to the store under the session lock."""
         self._admit(message)
         with self.store.lock(self.id):
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned)["seq"]

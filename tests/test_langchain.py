@@ -48,16 +48,12 @@ def chat(**kw) -> ChatSnapKV:
 # ---------------------------------------------------------------------- LangChain standard tests
 
 
-class TestChatSnapKVUnit(ChatModelUnitTests):
-    """Builds the chat model only: the model is loaded on first call, so these never load weights."""
+class _ChatSnapKVTraits:
+    """What both standard suites are told about the adapter."""
 
     @property
     def chat_model_class(self) -> type[ChatSnapKV]:
         return ChatSnapKV
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"model": MODEL}
 
     @property
     def has_tool_choice(self) -> bool:
@@ -68,28 +64,24 @@ class TestChatSnapKVUnit(ChatModelUnitTests):
         return False  # a thread's session is bound to its model
 
 
+class TestChatSnapKVUnit(_ChatSnapKVTraits, ChatModelUnitTests):
+    """Builds the chat model only: the model is loaded on first call, so these never load weights."""
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": MODEL}
+
+
 @pytest.mark.asyncio  # the standard async tests carry no mark, and pytest-asyncio runs in strict mode here
 @pytest.mark.filterwarnings("ignore:The test <Function .*> is marked with '@pytest.mark.asyncio':pytest.PytestWarning")
 @pytest.mark.bundle
 @pytest.mark.skipif(not bundle_available(MODEL), reason=f"bundle {MODEL} not installed")
-class TestChatSnapKVIntegration(ChatModelIntegrationTests):
+class TestChatSnapKVIntegration(_ChatSnapKVTraits, ChatModelIntegrationTests):
     """Run on SmolLM2-135M-Instruct (greedy, 8-token replies, a 48-token budget so that turns compress)."""
-
-    @property
-    def chat_model_class(self) -> type[ChatSnapKV]:
-        return ChatSnapKV
 
     @property
     def chat_model_params(self) -> dict:
         return {"model": MODEL, "policy": POLICY, "max_tokens": 8}
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return False
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False
 
     @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
     @pytest.mark.xfail(reason=NO_TOOL_CALLS, run=False)
