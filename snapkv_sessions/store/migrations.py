@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timezone
 
-from sqlalchemy import Column, DateTime, MetaData, String, Table, insert, select
+from sqlalchemy import Column, DateTime, MetaData, String, Table, insert, inspect, select, text
 from sqlalchemy.engine import Connection
 
 from . import schema
@@ -24,8 +24,26 @@ def m001_initial(conn: Connection) -> None:
     schema.metadata.create_all(conn)
 
 
+def m002_counts_pins_threads(conn: Connection) -> None:
+    """messages.token_count and messages.pins (computed once at commit), sessions.thread_id (indexed).
+
+    A database created by m001 on this schema version already has them (m001 creates the current tables), so
+    only what is missing is added.
+    """
+    inspector = inspect(conn)
+    for table, column in ((schema.messages, "token_count"), (schema.messages, "pins"),
+                          (schema.sessions, "thread_id")):
+        if column not in {c["name"] for c in inspector.get_columns(table.name)}:
+            col = table.c[column]
+            kind = col.type.compile(dialect=conn.dialect)
+            conn.execute(text(f'ALTER TABLE {table.name} ADD COLUMN {column} {kind}'))
+    if "ix_sessions_thread" not in {i["name"] for i in inspector.get_indexes("sessions")}:
+        next(i for i in schema.sessions.indexes if i.name == "ix_sessions_thread").create(conn)
+
+
 MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
     ("m001_initial", m001_initial),
+    ("m002_counts_pins_threads", m002_counts_pins_threads),
 ]
 
 

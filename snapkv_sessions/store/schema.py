@@ -34,6 +34,7 @@ sessions = Table(
     Column("turns_done", Integer, nullable=False, default=0),
     Column("head_hash", String(64), nullable=False),
     Column("meta", JSON, nullable=False, default=dict),
+    Column("thread_id", String(256)),  # an agent framework's thread (LangChain's thread_id), m002
 )
 
 messages = Table(
@@ -50,6 +51,8 @@ messages = Table(
     Column("turn", Integer),
     Column("token_start", Integer),
     Column("token_end", Integer),
+    Column("token_count", Integer),  # content tokens, counted once at commit (admission sums them), m002
+    Column("pins", JSON),  # [[start, end), ...] pinned character ranges of the message's rendered span, m002
     Column("prev_hash", String(64), nullable=False),
     Column("hash", String(64), nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
@@ -100,4 +103,5 @@ events = Table(
 )
 
 Index("ix_messages_session", messages.c.session_id, messages.c.seq)
+Index("ix_sessions_thread", sessions.c.thread_id)
 Index("ix_events_session", events.c.session_id, events.c.id)
