@@ -6,17 +6,25 @@ session with the model. The ``replay`` CLI command is a thin layer over this mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .policy import ROLES, Policy
 from .store import SessionStore
 from .store.blobs import unpack_positions
+from .transcript import TurnPlan
 
 
 def _role_of(store: SessionStore, session_id: str) -> dict[int, str]:
     return {m["seq"]: m["role"] for m in store.messages(session_id)}
+
+
+def _owners(rec: dict) -> tuple[tuple[int, int, int], ...]:
+    """The ``(seq, start, end)`` position -> message runs of a turn's plan (none for a turn that never ran)."""
+    if rec["segments"] is None:
+        return ()
+    return TurnPlan.from_record(rec["segments"], rec["prefill_tokens"] or []).owners
 
 
 def turn_rows(store: SessionStore, session_id: str) -> list[dict]:
@@ -26,7 +34,7 @@ def turn_rows(store: SessionStore, session_id: str) -> list[dict]:
     for t in store.turns(session_id):
         comp = t["compression"] or {}
         timings = t["timings"] or {}
-        owners = (t["segments"] or {}).get("owners") or []
+        owners = _owners(t)
         context = owners[-1][2] if owners else None
         reason = next((e["payload"] for e in events if e["turn"] == t["turn"] and e["kind"] == "reprefill"), None)
         rows.append({
@@ -54,7 +62,7 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
 
         raise StoreError(f"turn={turn}: no such turn in session {session_id!r}")
     roles = _role_of(store, session_id)
-    owners = (rec["segments"] or {}).get("owners") or []
+    owners = _owners(rec)
     messages = [{"seq": seq, "role": roles.get(seq, "assistant"), "start": a, "end": b} for seq, a, b in owners]
     out = {"turn": turn, "status": rec["status"], "drift_score": rec["drift_score"],
            "drift_decision": rec["drift_decision"], "messages": messages, "layers": [],
@@ -77,7 +85,7 @@ def retention_matrix(store: SessionStore, session_id: str, turn: int) -> tuple[n
     """(layers, context) share of KV heads holding each position after ``turn``'s compression; role per position."""
     rec = next(t for t in store.turns(session_id) if t["turn"] == turn)
     roles = _role_of(store, session_id)
-    owners = rec["segments"]["owners"]
+    owners = _owners(rec)
     context = owners[-1][2]
     role_at = [""] * context
     for seq, a, b in owners:
@@ -242,26 +250,24 @@ def against_full(store: SessionStore, session_id: str, model=None) -> list[dict]
     Returns per turn the token match rate (equal tokens at equal indices over the longer reply) and the first
     divergence (index into the reply, None when identical).
     """
-    from .chat import ChatFormatter, Message
+    from .chat import Message
     from .generation import GenerationConfig
-    from .session import _runner_for
+    from .models import runner_for
+    from .policy import PinPolicy
+    from .transcript import Transcript, TurnContext
 
     sess = store.get_session(session_id)
-    runner, _ = _runner_for(model if model is not None else sess["model_id"])
-    formatter = ChatFormatter(runner.tokenizer)
+    runner, _ = runner_for(model if model is not None else sess["model_id"])
     messages = store.messages(session_id, include_abandoned=False)
     rows = []
     for rec in store.turns(session_id, status="done"):
         history = [Message(m["role"], m["content"], m["name"], m["pinned"], m["seq"]) for m in messages
                    if m["seq"] <= rec["user_seq"]]
-        text, _ = formatter.render(history, generation_prompt=True)
-        ids = runner.tokenizer(text, add_special_tokens=False)["input_ids"]
+        plan = Transcript(runner.tokenizer, PinPolicy()).plan(history, TurnContext(user_seq=rec["user_seq"]))
         state = runner.new_state()
-        logits, _ = runner.prefill(state, ids)
-        gen = {k: (tuple(v) if k == "stop" else v) for k, v in (rec["generation"] or {}).items() if v is not None}
-        full = list(runner.generate(state, logits, GenerationConfig(**gen)))
-        if state.last_stop_reason == "eos":
-            full = full + state.pending
+        result = runner.run(state, replace(plan, window=None), None, GenerationConfig.from_record(
+            {k: v for k, v in (rec["generation"] or {}).items() if v is not None})).finish()
+        full = result.tokens + (state.pending if result.stop_reason == "eos" else [])
         recorded = rec["decode_tokens"] + rec["pending_tokens"]
         longest = max(len(full), len(recorded), 1)
         same = sum(a == b for a, b in zip(full, recorded, strict=False))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .policy import ROLES
@@ -44,6 +44,27 @@ class TemplateError(ConfigError):
 
 
 @dataclass(frozen=True)
+class MessagePins:
+    """Pinned character ranges of one message's rendered span, computed once when the message is committed.
+
+    ``span`` is the length of the rendered span they were found in; a span that renders differently later
+    (it never should: the template is checked to be prefix-stable) is searched again.
+    """
+
+    span: int
+    ranges: tuple[tuple[int, int], ...]
+
+    def to_json(self) -> dict:
+        return {"span": self.span, "ranges": [list(r) for r in self.ranges]}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> MessagePins | None:
+        if not isinstance(data, dict):
+            return None
+        return cls(int(data["span"]), tuple((int(a), int(b)) for a, b in data["ranges"]))
+
+
+@dataclass(frozen=True)
 class Message:
     """One message of a session. ``seq`` is its place in the store's hash chain (None before it is stored)."""
 
@@ -52,6 +73,7 @@ class Message:
     name: str | None = None
     pinned: bool = False
     seq: int | None = None
+    pins: MessagePins | None = field(default=None, compare=False, repr=False)  # set by the store, never by input
 
     @classmethod
     def coerce(cls, msg: str | dict | Message, default_role: str = "user") -> Message:

@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .policy import Policy
+
 
 class Embedder(Protocol):
     """Maps texts to L2-normalised vectors, (n, d) float32."""
@@ -201,6 +203,12 @@ def evidence_missing(terms: list[str], context: str, char_positions: np.ndarray,
     return missing
 
 
+def shift_score(embedding_drift: float | None, new_subject: bool, evidence_missing: bool) -> float:
+    """The drift score a threshold is applied to: the embedding drift, or 1.0 when the query names a new subject
+    or its key terms were evicted. The session and ``bench shift`` both score with this one rule."""
+    return max(embedding_drift or 0.0, 1.0 if new_subject or evidence_missing else 0.0)
+
+
 @dataclass
 class Assessment:
     """How far a new query drifts from what shaped the cache."""
@@ -263,5 +271,25 @@ class DriftMonitor:
         if emb is None and not missing:
             return Assessment(None, None, [])
         fresh = terms if self.subjects and emb is not None and new_subject(terms, self._working.terms) else []
-        score = max(emb or 0.0, 1.0 if missing or fresh else 0.0)
+        score = shift_score(emb, bool(fresh), bool(missing))
         return Assessment(round(score, 4), None if emb is None else round(emb, 4), missing, fresh)
+
+
+def decide(assessment: Assessment, policy: Policy, evicted: bool, prior_reprefills: list[int], turn: int) -> str:
+    """What a turn does about drift: kept | reprefill | warn | ignored | limited | n/a.
+
+    ``evicted``: the cache lost something (else a re-prefill would rebuild the same cache);
+    ``prior_reprefills``: the turns that re-prefilled before, in order (``recovery`` limits).
+    """
+    if assessment.score is None:
+        return "n/a"
+    if assessment.score <= policy.drift.threshold or not evicted:
+        return "kept"
+    if policy.drift.action != "reprefill":
+        return "warn" if policy.drift.action == "warn" else "ignored"
+    recovery = policy.recovery
+    if recovery.max_reprefills is not None and len(prior_reprefills) >= recovery.max_reprefills:
+        return "limited"
+    if prior_reprefills and turn - prior_reprefills[-1] < recovery.min_turns_between:
+        return "limited"
+    return "reprefill"

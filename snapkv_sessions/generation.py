@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -46,6 +47,29 @@ class GenerationConfig:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise ConfigError("stop", self.stop, "stop strings must be non-empty")
+
+    def record(self) -> dict:
+        """The stored form (the turn's ``generation``): enough to decode the same reply again."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "seed": self.seed, "stop": list(self.stop)}
+
+    @classmethod
+    def from_call(cls, kwargs: dict) -> GenerationConfig:
+        """From a ``chat(**kwargs)`` call: a clear error for an unknown parameter, a seed drawn (and so
+        recorded) for a sampled reply, so that every turn can be re-executed."""
+        kwargs = dict(kwargs)
+        if isinstance(kwargs.get("stop"), (list, str)):
+            kwargs["stop"] = (kwargs["stop"],) if isinstance(kwargs["stop"], str) else tuple(kwargs["stop"])
+        unknown = sorted(set(kwargs) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop"})
+        if unknown:
+            raise ConfigError(unknown[0], kwargs[unknown[0]], "is not a generation parameter")
+        if kwargs.get("temperature", 0) > 0 and kwargs.get("seed") is None:
+            kwargs["seed"] = random.randrange(2**31)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_record(cls, record: dict) -> GenerationConfig:
+        return cls(**{**record, "stop": tuple(record.get("stop") or ())})
 
 
 class Sampler:

@@ -22,10 +22,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import ModelResolveError
+from .errors import ConfigError, ModelResolveError
 
 CONVERTED_MARKER = "snapkv-sessions-source.json"
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -181,3 +185,23 @@ def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None
     if device is not None:
         model = model.to(device)
     return model.eval(), tok
+
+
+_MODELS: dict[str, tuple] = {}  # name -> (model, tokenizer), loaded once per process
+
+
+def runner_for(model) -> tuple[ModelRunner, str]:
+    """A :class:`ModelRunner` and a model id from a bundle/hub name, ``(model, tokenizer)`` or a runner.
+
+    Named models load once per process."""
+    from .runner import ModelRunner
+
+    if isinstance(model, ModelRunner):
+        return model, str(getattr(model.model.config, "_name_or_path", "model"))
+    if isinstance(model, tuple):
+        return ModelRunner(*model), str(getattr(model[0].config, "_name_or_path", "model"))
+    if isinstance(model, str):
+        if model not in _MODELS:
+            _MODELS[model] = load_model(model)
+        return ModelRunner(*_MODELS[model]), model
+    raise ConfigError("model", type(model).__name__, "must be a model name, (model, tokenizer) or a ModelRunner")

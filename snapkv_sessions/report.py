@@ -54,6 +54,12 @@ class CompressionReport:
     def total_ms(self) -> float:
         return self.score_ms + self.select_ms + self.gather_ms
 
+    def retention(self) -> dict:
+        """Per-layer tokens kept and their share of the context (the turn record's ``retention``)."""
+        shares = [a / self.context_tokens for a in self.tokens_after]
+        return {"tokens_after": self.tokens_after, "budgets": self.budgets, "min_share": round(min(shares), 4),
+                "max_share": round(max(shares), 4)}
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["compressed"] = self.compressed

@@ -22,6 +22,7 @@ from .gpu import fused_gather, fused_scorer
 from .press import SnapKV, layer_budgets, select_positions, spread_over_words, streaming_positions
 from .report import CompressionReport
 from .state import KVState
+from .transcript import TurnPlan, observation_window, to_ranges
 
 
 def check_supported(model: torch.nn.Module) -> None:
@@ -50,14 +51,50 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @dataclass
 class TurnResult:
-    """What :meth:`ModelRunner.turn` did."""
+    """What :meth:`ModelRunner.run` (or :meth:`ModelRunner.turn`) did."""
 
-    tokens: list[int]
-    stop_reason: str  # "eos", "stop", or "length"
+    tokens: list[int]  # the reply (decoded, or fed when forced), end token excluded
+    stop_reason: str | None  # "eos", "stop", "length"; None when the reply was forced
     report: CompressionReport | None
     prefill_ms: float
     decode_ms: float
     prompt_tokens: int
+    prefill_end: int = 0  # true positions in the cache after the prefill: the turn's context
+    protect_applied: bool | None = None  # None: no compression ran; else whether the plan's protect fit
+    kept: list[torch.Tensor] | None = None  # positions[l] (B, Hkv, K) right after the compression, if it ran
+
+
+class TurnRun:
+    """A turn whose prefill and compression ran: iterate to decode the reply, or :meth:`finish` to run it all.
+
+    With ``forced`` (a recorded reply, replay), those tokens are fed instead of sampled: all but the last
+    one are decoded into the cache and the last one is left pending, exactly as the live turn left them.
+    """
+
+    def __init__(self, runner: ModelRunner, state: KVState, logits: torch.Tensor, gen: GenerationConfig | None,
+                 forced: Sequence[int] | None, result: TurnResult) -> None:
+        self.runner, self.state, self.logits, self.gen, self.forced = runner, state, logits, gen, forced
+        self.result = result
+
+    def __iter__(self) -> Iterator[int]:
+        t0 = time.perf_counter()
+        if self.forced is None:
+            for tok in self.runner.generate(self.state, self.logits, self.gen):
+                self.result.tokens.append(tok)
+                yield tok
+            self.result.stop_reason = self.state.last_stop_reason
+        else:
+            for tok in self.forced[:-1]:
+                self.runner.step(self.state, tok)
+                self.result.tokens.append(tok)
+                yield tok
+            self.state.pending = [int(t) for t in self.forced[-1:]]
+        self.result.decode_ms = (time.perf_counter() - t0) * 1e3
+
+    def finish(self) -> TurnResult:
+        for _ in self:
+            pass
+        return self.result
 
 
 class ModelRunner:
@@ -360,6 +397,40 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- one turn
 
+    def run(self, state: KVState, plan: TurnPlan, compression: CompressionConfig | None,
+            gen: GenerationConfig | None = None, forced: Sequence[int] | None = None) -> TurnRun:
+        """Execute ``plan``: prefill its tokens at their true positions, compress with its window; the
+        returned :class:`TurnRun` decodes the reply (or feeds ``forced``, a recorded one) when iterated.
+
+        Live turns, replays, re-prefills, ``--verify`` and the benchmarks all run turns through here.
+        """
+        if plan.first_position != state.next_position + len(state.pending):
+            raise ConfigError("plan.first_position", plan.first_position, f"the state's next token goes to position "
+                              f"{state.next_position + len(state.pending)}")
+        t0 = time.perf_counter()
+        logits, probe = self.prefill(state, plan.tokens, pinned=plan.pinned_flags(), window=plan.window)
+        result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=0.0, decode_ms=0.0,
+                            prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
+        if probe is not None:
+            protect = self._protect_mask(state, plan, compression, probe.window)
+            result.report = self.compress(state, compression, probe, protect)
+            result.protect_applied = protect is not None
+            result.kept = list(state.positions)  # decode rebinds positions[l], so these stay as compressed
+        result.prefill_ms = (time.perf_counter() - t0) * 1e3
+        return TurnRun(self, state, logits, gen, forced, result)
+
+    def _protect_mask(self, state: KVState, plan: TurnPlan, cfg: CompressionConfig, window: int) -> torch.Tensor | None:
+        """(N,) bool: the plan's protected positions, when they fit beside the pins in every layer's budget."""
+        if not plan.protect:
+            return None
+        mask = torch.zeros(state.next_position, dtype=torch.bool)  # (N,)
+        for start, end in plan.protect:
+            mask[start:end] = True
+        budgets = layer_budgets(cfg, self.num_layers, state.next_position)
+        if int((mask | state.pinned.cpu()).sum()) > min(budgets) - window:
+            return None
+        return mask
+
     def turn(
         self,
         state: KVState,
@@ -371,24 +442,16 @@ class ModelRunner:
     ) -> TurnResult:
         """Prefill ``ids``, compress with this turn's observation window, and decode the reply.
 
-        The first turn (empty cache) must be at least ``compression.window`` tokens long; a later turn shorter
-        than the window observes with all of its tokens.
+        The engine-level form of :meth:`run`: the plan is built from the tokens, with the same window rule as a
+        session's (the turn's last ``compression.window`` tokens, all of them when the turn is shorter).
         """
+        ids = [int(t) for t in ids]
+        flags = [bool(pinned)] * len(ids) if isinstance(pinned, bool) else [bool(p) for p in pinned]
+        if len(flags) != len(ids):
+            raise ConfigError("pinned", f"{len(flags)} flags", f"must match the {len(ids)} tokens given")
+        first = state.next_position + len(state.pending)
         window = None
         if compression is not None:
-            n_todo = len(state.pending) + len(ids)
-            window = compression.window if state.next_position == 0 else min(compression.window, n_todo)
-        t0 = time.perf_counter()
-        logits, probe = self.prefill(state, ids, pinned=pinned, window=window)
-        prefill_ms = (time.perf_counter() - t0) * 1e3
-        report = self.compress(state, compression, probe) if probe is not None else None
-        t1 = time.perf_counter()
-        tokens = list(self.generate(state, logits, gen))
-        return TurnResult(
-            tokens=tokens,
-            stop_reason=state.last_stop_reason,
-            report=report,
-            prefill_ms=prefill_ms,
-            decode_ms=(time.perf_counter() - t1) * 1e3,
-            prompt_tokens=len(ids),
-        )
+            window = observation_window(compression.window, len(state.pending) + len(ids), first + len(ids))
+        plan = TurnPlan(tokens=tuple(ids), first_position=first, pinned=to_ranges(flags, first), window=window)
+        return self.run(state, plan, compression, gen).finish()

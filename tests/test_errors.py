@@ -39,9 +39,11 @@ def test_bad_compression_config(kwargs, param, value):
 
 def test_window_longer_than_prompt():
     runner = ModelRunner(build_tiny("llama"))
-    cfg = CompressionConfig.make(budget=64, window=32)
     with pytest.raises(ConfigError, match=r"^window=32: is longer than the prompt \(10 tokens"):
-        runner.turn(runner.new_state(), list(range(3, 13)), cfg)
+        runner.prefill(runner.new_state(), list(range(3, 13)), window=32)
+    # a turn shorter than the window observes with all of its tokens (the one window rule, sessions' too)
+    got = runner.turn(runner.new_state(), list(range(3, 13)), CompressionConfig.make(budget=64, window=32))
+    assert got.report is not None and got.report.window == 10 and got.report.tokens_after == [10] * 3
 
 
 def test_model_without_rotary_positions():

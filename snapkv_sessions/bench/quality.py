@@ -11,7 +11,6 @@ of the full cache; the rate of degenerate output; and whether span-aware selecti
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import time
@@ -24,6 +23,7 @@ from ..policy import Policy
 from ..session import Session
 from ..store import SessionStore
 from .shift import SYSTEM, first_turn, is_correct, is_degenerate, make_scenario
+from .variants import compressed_variants
 
 # A format rule this model follows with the full cache wherever it is stated (measured on Qwen2.5-Coder-0.5B:
 # 6/6 in the system prompt and in the user turn; "start with ANSWER:" and "answer in capitals" were ignored).
@@ -157,15 +157,11 @@ def run_knee(runner, n: int, budgets: list[float], window: int, max_new_tokens: 
             sc = make_scenario(200 + seed, records=records)
             for task, turn in (("lookup", sc.turns[0]), ("copy", first_turn(sc, "copy"))):
                 ids = knee_item_ids(tok, sc.document, turn.question)
-                base = runner.new_state()
-                logits, probe = runner.prefill(base, ids, window=window)
-                for variant in variants:
-                    state = copy.deepcopy(base)
-                    if variant != "full":
-                        ratio = float(variant.split("+")[0])
-                        cfg = CompressionConfig.make(budget_ratio=ratio, window=window, span_aware=variant.endswith("span"))
-                        runner.compress(state, cfg, probe)
-                    out = list(runner.generate(state, logits, gen))
+                configs = [None if v == "full" else CompressionConfig.make(
+                    budget_ratio=float(v.split("+")[0]), window=window, span_aware=v.endswith("span")) for v in variants]
+                for variant, var in zip(variants, compressed_variants(runner, ids, window, configs), strict=True):
+                    state = var.state
+                    out = list(runner.generate(state, var.logits, gen))
                     text = tok.decode(out, skip_special_tokens=True)
                     rows.append({"task": task, "records": records, "tokens": len(ids), "variant": variant,
                                  "correct": is_correct(text, turn.expect),

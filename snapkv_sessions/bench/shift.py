@@ -19,6 +19,7 @@ from ..generation import GenerationConfig
 from ..policy import Policy
 from ..session import Session
 from ..store import SessionStore
+from .variants import compressed_variants
 
 FIRST = ["Alice", "Rahul", "Mei", "Jonas", "Fatima", "Pedro", "Olga", "Kwame", "Sofia", "Hiro", "Lena", "Omar",
          "Priya", "Tomas", "Aisha", "Bruno", "Chen", "Dana", "Emil", "Greta", "Ivan", "Jade", "Karl", "Lucia"]
@@ -104,14 +105,14 @@ def is_degenerate(tokens: list[int], stop_reason: str) -> bool:
 def detect(scenario: Scenario, vectors, threshold: float, subjects: bool = True) -> list[bool]:
     """The session's text-side detector (embedding drift, new subject) over a scenario, without a model: the
     working set is reset after each detected shift, as a session does. One flag per turn ("first" is False)."""
-    from ..drift import WorkingSet, key_terms, new_subject
+    from ..drift import WorkingSet, key_terms, new_subject, shift_score
 
     work = WorkingSet(vectors.shape[1])
     flags = []
     for turn, vector in zip(scenario.turns, vectors, strict=True):
         drift = work.drift(vector)
-        shift = drift is not None and (drift > threshold or (subjects and new_subject(key_terms(turn.question),
-                                                                                      work.terms)))
+        fresh = subjects and drift is not None and new_subject(key_terms(turn.question), work.terms)
+        shift = drift is not None and shift_score(drift, fresh, evidence_missing=False) > threshold
         if shift:
             work.reset()
         work.add(turn.question, vector)
@@ -214,15 +215,10 @@ def single_turn_budget(runner, scenarios: list[Scenario], ratios: list[float], w
                     {"role": "user", "content": f"Document directory:\n{sc.document}"},
                     {"role": "user", "content": turn.question}]
             ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-            base = runner.new_state()
-            logits, probe = runner.prefill(base, ids, window=window)
             total += 1
-            for key in hits:
-                state = copy.deepcopy(base)
-                if key != "full":
-                    cfg = CompressionConfig.make(budget_ratio=float(key), window=window)
-                    runner.compress(state, cfg, probe)
-                out = list(runner.generate(state, logits, gen))
+            configs = [None if k == "full" else CompressionConfig.make(budget_ratio=float(k), window=window) for k in hits]
+            for key, var in zip(hits, compressed_variants(runner, ids, window, configs), strict=True):
+                out = list(runner.generate(var.state, var.logits, gen))
                 hits[key] += is_correct(tok.decode(out, skip_special_tokens=True), turn.expect)
     acc = {k: round(v / total, 3) for k, v in hits.items()}
     matching = [r for r in ratios if acc[str(r)] >= acc["full"]]

@@ -8,7 +8,6 @@ cached key and value once.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -17,6 +16,7 @@ import torch
 from ..config import CompressionConfig
 from ..runner import ModelRunner
 from .overhead import synthetic_ids
+from .variants import compressed_variants
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -44,18 +44,12 @@ def decode_times(runner: ModelRunner, state, logits: torch.Tensor, steps: int, w
 
 def measure_length(runner: ModelRunner, ids: list[int], budgets: list[float | None], window: int, steps: int,
                    weight_bytes: int) -> list[dict]:
-    base = runner.new_state()
-    t0 = time.perf_counter()
-    logits, probe = runner.prefill(base, ids, window=window)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
-    full_kv = base.kv_bytes()
+    configs = [None if r is None else CompressionConfig.make(budget_ratio=r, window=window) for r in budgets]
     rows = []
-    for ratio in budgets:
-        state = copy.deepcopy(base)
-        compress_ms = 0.0
-        if ratio is not None:
-            report = runner.compress(state, CompressionConfig.make(budget_ratio=ratio, window=window), probe)
-            compress_ms = report.total_ms
+    for ratio, var in zip(budgets, compressed_variants(runner, ids, window, configs), strict=True):
+        state, logits, prefill_ms = var.state, var.logits, var.prefill_ms
+        full_kv = var.report.kv_bytes_before if var.report is not None else state.kv_bytes()
+        compress_ms = var.report.total_ms if var.report is not None else 0.0
         t1 = time.perf_counter()
         int(logits.argmax())  # the first reply token comes from the prefill's logits: part of TTFT
         ttft = prefill_ms + compress_ms + (time.perf_counter() - t1) * 1e3

@@ -162,7 +162,7 @@ class SessionStore:
     # ------------------------------------------------------------------ messages
 
     def _append(self, conn: Connection, session_id: str, role: str, content: str, name: str | None = None,
-                pinned: bool = False, turn: int | None = None) -> dict:
+                pinned: bool = False, turn: int | None = None, pins: dict | None = None) -> dict:
         """Append one message to the hash chain inside the caller's transaction."""
         sess = conn.execute(select(schema.sessions.c.head_hash).where(schema.sessions.c.id == session_id)
                             .with_for_update()).first()
@@ -172,17 +172,17 @@ class SessionStore:
                            .where(schema.messages.c.session_id == session_id)).scalar() + 1
         digest = message_hash(sess.head_hash, seq, role, name, content)
         row = dict(session_id=session_id, seq=seq, role=role, name=name, content=content, pinned=pinned,
-                   status="active", turn=turn, prev_hash=sess.head_hash, hash=digest, created_at=_now())
+                   status="active", turn=turn, pins=pins, prev_hash=sess.head_hash, hash=digest, created_at=_now())
         conn.execute(insert(schema.messages).values(**row))
         conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
                      .values(head_hash=digest, updated_at=row["created_at"]))
         return row
 
     def add_message(self, session_id: str, role: str, content: str, name: str | None = None,
-                    pinned: bool = False) -> dict:
-        """Commit one message (system, document, ...) outside a turn."""
+                    pinned: bool = False, pins: dict | None = None) -> dict:
+        """Commit one message (system, document, ...) outside a turn; ``pins``: its pinned character ranges."""
         with self.engine.begin() as conn:
-            return self._append(conn, session_id, role, content, name, pinned)
+            return self._append(conn, session_id, role, content, name, pinned, pins=pins)
 
     def messages(self, session_id: str, include_abandoned: bool = True) -> list[dict]:
         q = select(schema.messages).where(schema.messages.c.session_id == session_id).order_by(schema.messages.c.seq)
@@ -194,22 +194,23 @@ class SessionStore:
     # ------------------------------------------------------------------ turns (write-ahead)
 
     def begin_turn(self, session_id: str, content: str, name: str | None, policy_sha256: str, model_id: str,
-                   generation: dict, seed: int | None, role: str = "user") -> tuple[int, dict]:
+                   generation: dict, seed: int | None, role: str = "user", pins: dict | None = None
+                   ) -> tuple[int, dict]:
         """Write-ahead: commit the user (or tool) message and a pending turn record, before any compute."""
         with self.engine.begin() as conn:
             turn = conn.execute(select(func.coalesce(func.max(schema.turns.c.turn), 0))
                                 .where(schema.turns.c.session_id == session_id)).scalar() + 1
-            msg = self._append(conn, session_id, role, content, name, turn=turn)
+            msg = self._append(conn, session_id, role, content, name, turn=turn, pins=pins)
             conn.execute(insert(schema.turns).values(
                 session_id=session_id, turn=turn, status="pending", user_seq=msg["seq"], policy_sha256=policy_sha256,
                 model_id=model_id, generation=generation, seed=seed, created_at=_now()))
         return turn, msg
 
     def finish_turn(self, session_id: str, turn: int, reply: str, record: dict, events: list[tuple[str, dict]],
-                    spans: dict[int, tuple[int, int]]) -> dict:
+                    spans: dict[int, tuple[int, int]], pins: dict | None = None) -> dict:
         """Atomically: the assistant message, the turn record, its events and the messages' token spans."""
         with self.engine.begin() as conn:
-            msg = self._append(conn, session_id, "assistant", reply, turn=turn)
+            msg = self._append(conn, session_id, "assistant", reply, turn=turn, pins=pins)
             conn.execute(update(schema.turns).where(schema.turns.c.session_id == session_id,
                                                     schema.turns.c.turn == turn)
                          .values(status="done", assistant_seq=msg["seq"], finished_at=_now(), **record))

@@ -1,0 +1,275 @@
+"""Transcript: the conversation as the cache holds it, and the plan of each turn.
+
+One object owns what the session's cache corresponds to in text: the chat-template rendering, the single
+position -> message map (run-length ``(seq, start, end)`` over true positions), and pins. Each turn it
+produces a frozen :class:`TurnPlan`: the tokens to prefill, who owns every position, what is pinned and
+protected, the observation window and whether the cache restarts. The plan is what
+:meth:`snapkv_sessions.runner.ModelRunner.run` executes and what the turns table stores
+(:meth:`TurnPlan.to_record`), so a live turn and its replay run the same plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .chat import ChatFormatter, Message, MessagePins, TemplateError
+from .policy import ROLES, PinPolicy
+from .store import StoreError
+
+Range = tuple[int, int]  # [start, end) true positions (or characters, for message pins)
+Run = tuple[int, int, int]  # (message seq, start, end): the positions [start, end) belong to message seq
+
+
+def observation_window(window: int, n_todo: int, context: int, min_prompt_tokens: int = 0) -> int | None:
+    """The turn's observation window: its last ``window`` tokens (all of them when it is shorter).
+
+    ``n_todo`` tokens are prefilled (the previous turn's pending token included) and the context then holds
+    ``context`` true positions; below ``min_prompt_tokens`` nothing observes, so nothing is compressed.
+    """
+    if context < min_prompt_tokens:
+        return None
+    return min(window, n_todo)
+
+
+def to_ranges(flags: Sequence[bool], offset: int) -> tuple[Range, ...]:
+    """``[start, end)`` ranges (shifted by ``offset``) where ``flags`` is set."""
+    out, start = [], None
+    for i, flag in enumerate([*flags, False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            out.append((offset + start, offset + i))
+            start = None
+    return tuple(out)
+
+
+def extend_runs(runs: list[Run], seq: int, start: int, end: int) -> None:
+    """Append positions [start, end) owned by ``seq``, merging with the last run when it continues it."""
+    if runs and runs[-1][0] == seq and runs[-1][2] == start:
+        runs[-1] = (seq, runs[-1][1], end)
+    elif end > start:
+        runs.append((seq, start, end))
+
+
+def find_pins(chunk: str, pins: PinPolicy) -> tuple[Range, ...]:
+    """Character ranges of ``chunk`` that the policy's markers and patterns pin (empty matches ignored)."""
+    hits = [(m.start(), m.end()) for marker in pins.markers for m in re.finditer(re.escape(marker), chunk)]
+    hits += [(m.start(), m.end()) for pat in pins.patterns for m in re.finditer(pat, chunk) if m.end() > m.start()]
+    return tuple(sorted(hits))
+
+
+@dataclass(frozen=True)
+class RenderDelta:
+    """The rendering a plan was made from: the full text and the character span of each planned token."""
+
+    text: str
+    offsets: tuple[Range, ...]
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """One turn's prefill and compression, as data.
+
+    Attributes
+    ----------
+    tokens: ids to prefill after the previous turn's pending token (which the runner feeds first)
+    first_position: true position of ``tokens[0]``
+    owners: ``(seq, start, end)`` runs over every true position of the context through this prefill
+    pinned: true-position ranges of ``tokens`` that compression must never evict
+    protect: true-position ranges kept through this turn's compression only, when they fit (the question)
+    window: the observation window, or None (this turn does not compress)
+    reprefill: the cache restarts empty before this prefill (recovery: the store rebuilds it)
+    render: how the tokens were rendered (live plans only; not recorded)
+    """
+
+    tokens: tuple[int, ...]
+    first_position: int
+    owners: tuple[Run, ...] = ()
+    pinned: tuple[Range, ...] = ()
+    protect: tuple[Range, ...] = ()
+    window: int | None = None
+    reprefill: bool = False
+    render: RenderDelta | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def end_position(self) -> int:
+        """True position after the last prefilled token: the context length once the prefill ran."""
+        return self.first_position + len(self.tokens)
+
+    def pinned_flags(self) -> list[bool]:
+        """One pinned flag per token of :attr:`tokens`."""
+        flags = [False] * len(self.tokens)
+        for start, end in self.pinned:
+            for pos in range(max(start, self.first_position), min(end, self.end_position)):
+                flags[pos - self.first_position] = True
+        return flags
+
+    def to_record(self) -> dict:
+        """The stored form (the turns table's ``segments``); the tokens are stored beside it."""
+        return {"pinned": [list(r) for r in self.pinned], "protect": [list(r) for r in self.protect],
+                "window": self.window, "reprefill": self.reprefill, "owners": [list(r) for r in self.owners]}
+
+    @classmethod
+    def from_record(cls, record: dict, tokens: Sequence[int]) -> TurnPlan:
+        """The plan a turn record stores (``segments`` and ``prefill_tokens``)."""
+        if not isinstance(record, dict) or not record.get("owners"):
+            raise StoreError(f"segments={str(record)[:80]!r}: a turn record without its plan")
+        owners = tuple((int(s), int(a), int(b)) for s, a, b in record["owners"])
+        return cls(tokens=tuple(int(t) for t in tokens), first_position=owners[-1][2] - len(tokens), owners=owners,
+                   pinned=tuple((int(a), int(b)) for a, b in record.get("pinned") or []),
+                   protect=tuple((int(a), int(b)) for a, b in record.get("protect") or []),
+                   window=record.get("window"), reprefill=bool(record.get("reprefill")))
+
+
+@dataclass(frozen=True)
+class TurnContext:
+    """What planning a turn needs besides the messages: whose turn it is and how the cache stands."""
+
+    user_seq: int
+    pending: int = 0  # tokens sampled last turn, not yet in the cache (fed before the plan's tokens)
+    reprefill: bool = False
+    window: int = 32
+    min_prompt_tokens: int = 0
+
+
+class Transcript:
+    """The rendered conversation the cache holds and the position -> message map, across turns.
+
+    Attributes
+    ----------
+    text: the rendered conversation the cache holds, the pending token included
+    char_pos: (len(text),) int64, the true position of the token covering each character (-1: none)
+    runs: ``(seq, start, end)`` runs over every true position fed or pending
+    """
+
+    def __init__(self, tokenizer, pins: PinPolicy) -> None:
+        self.tokenizer = tokenizer
+        self.formatter = ChatFormatter(tokenizer)
+        self.pin_policy = pins
+        self.reset()
+
+    def reset(self) -> None:
+        """The cache restarted empty."""
+        self.text = ""
+        self.char_pos = np.zeros(0, dtype=np.int64)
+        self.runs: list[Run] = []
+
+    @property
+    def length(self) -> int:
+        """True positions the transcript covers (the cache's, plus its pending token)."""
+        return self.runs[-1][2] if self.runs else 0
+
+    # ------------------------------------------------------------------ pins, once per message
+
+    def message_pins(self, prefix: list[Message], message: Message) -> MessagePins:
+        """Pins of ``message`` rendered after ``prefix`` (the active messages before it)."""
+        text, spans = self.formatter.render([*prefix, message], generation_prompt=False)
+        _, start, end = spans[-1]
+        return MessagePins(end - start, find_pins(text[start:end], self.pin_policy))
+
+    def _hits(self, msgs: list[Message], spans, base: int) -> list[Range]:
+        """Absolute pinned character ranges of the messages rendered at or after character ``base``."""
+        hits: list[Range] = []
+        for i, (seq, start, end) in enumerate(spans):
+            if seq is None or end <= base:
+                continue
+            pins = msgs[i].pins
+            if pins is None or pins.span != end - start:
+                pins = self.message_pins(msgs[:i], msgs[i])
+            hits += [(start + a, start + b) for a, b in pins.ranges]
+        return hits
+
+    # ------------------------------------------------------------------ planning
+
+    def _delta(self, text: str, base: int) -> tuple[list[int], list[Range]]:
+        """Token ids of ``text`` from character ``base`` on, and each token's character span."""
+        enc = self.tokenizer(text[base:], add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [(base + a, base + b) for a, b in enc["offset_mapping"]]
+
+    def plan(self, msgs: list[Message], ctx: TurnContext) -> TurnPlan:
+        """The next turn's plan: the rendering of ``msgs`` past what the cache holds (all of it on re-prefill)."""
+        text, spans = self.formatter.render(msgs, generation_prompt=True)
+        base = 0 if ctx.reprefill else len(self.text)
+        if not ctx.reprefill and not text.startswith(self.text):
+            raise TemplateError("tokenizer.chat_template", "transcript", "the cache is not a prefix of the render")
+        ids, offsets = self._delta(text, base)
+        first = 0 if ctx.reprefill else self.length
+        starts = [a for _, a, _ in spans]
+        owners = []
+        for start, _ in offsets:
+            seq, a, b = spans[max(0, bisect.bisect_right(starts, start) - 1)]
+            owners.append(seq if seq is not None and a <= start < b else ctx.user_seq + 1)  # the reply's prompt
+        roles = {m.seq: m for m in msgs}
+        hits = self._hits(msgs, spans, base)
+        pins = self.pin_policy
+        pinned = [(o in roles and (roles[o].role in pins.roles or roles[o].pinned)) or first + i < pins.sink_tokens
+                  or any(s < end and start < e for s, e in hits)
+                  for i, (o, (start, end)) in enumerate(zip(owners, offsets, strict=True))]
+        protect = [pins.keep_question and o == ctx.user_seq for o in owners]
+        runs = [] if ctx.reprefill else list(self.runs)
+        for i, owner in enumerate(owners):
+            extend_runs(runs, owner, first + i, first + i + 1)
+        pending = 0 if ctx.reprefill else ctx.pending
+        window = observation_window(ctx.window, pending + len(ids), first + len(ids), ctx.min_prompt_tokens)
+        return TurnPlan(tokens=tuple(ids), first_position=first, owners=tuple(runs), pinned=to_ranges(pinned, first),
+                        protect=to_ranges(protect, first), window=window, reprefill=ctx.reprefill,
+                        render=RenderDelta(text, tuple(offsets)))
+
+    def attach(self, plan: TurnPlan, msgs: list[Message], ctx: TurnContext) -> TurnPlan:
+        """A recorded plan with its rendering, checked: the stored messages must render to its tokens."""
+        if plan.render is not None:
+            return plan
+        again = self.plan(msgs, ctx)
+        if again.tokens != plan.tokens:
+            raise StoreError(f"turn plan at position {plan.first_position}: the stored messages no longer render "
+                             "to the recorded prefill tokens")
+        return replace(plan, render=again.render)
+
+    # ------------------------------------------------------------------ advancing
+
+    def advance(self, plan: TurnPlan) -> None:
+        """The cache now holds the plan's tokens (after a restart, when the plan re-prefills)."""
+        if plan.reprefill:
+            self.reset()
+        text, offsets = plan.render.text, plan.render.offsets
+        grown = np.full(len(text), -1, dtype=np.int64)
+        grown[: len(self.char_pos)] = self.char_pos
+        for i, (start, end) in enumerate(offsets):
+            grown[start:end] = plan.first_position + i
+        self.char_pos = grown
+        self.text = text
+        self.runs = list(plan.owners)
+
+    def extend_reply(self, seq: int, tokens: list[int]) -> None:
+        """The reply's tokens (decoded into the cache, or pending) follow, owned by message ``seq``."""
+        start = self.length
+        extend_runs(self.runs, seq, start, start + len(tokens))
+        tail = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        self.char_pos = np.concatenate([self.char_pos, np.full(len(tail), -1, dtype=np.int64)])
+        self.text += tail
+
+    # ------------------------------------------------------------------ reading the map
+
+    def spans(self) -> dict[int, Range]:
+        """First and end true position of every message the transcript holds."""
+        out: dict[int, Range] = {}
+        for seq, start, end in self.runs:
+            out[seq] = (out[seq][0], end) if seq in out else (start, end)
+        return out
+
+    def kept_per_role(self, kept: list[np.ndarray], context: int, roles: dict[int, str]) -> dict[str, float]:
+        """Share of each role's first ``context`` positions still held, averaged over layers and KV heads.
+
+        ``kept[l]`` is (Hkv, K) true positions; a seq missing from ``roles`` is the reply being written.
+        """
+        owner_role = np.concatenate([np.full(min(b, context) - a, ROLES.index(roles.get(s, "assistant")))
+                                     for s, a, b in self.runs if a < context])  # (context,)
+        total = np.bincount(owner_role, minlength=len(ROLES)).astype(float)
+        held = sum(np.bincount(owner_role[k.reshape(-1)], minlength=len(ROLES)) for k in kept) / (
+            len(kept) * kept[0].shape[0])
+        return {r: round(float(held[i] / total[i]), 4) for i, r in enumerate(ROLES) if total[i] > 0}
