@@ -150,7 +150,9 @@ class StreamingLLM:
 
     The window attention is not read. Sinks outrank every other slot and the rest rank by recency, so with no
     pins the shared top-k keeps exactly :func:`~snapkv_sessions.press.streaming_positions` whenever the sinks
-    fit the history budget (``sinks <= budget - window``). Ranks stay exact in float32 below 2**23 slots.
+    fit the history budget (``sinks <= budget - window``); when they do not, the shared top-k keeps the first
+    ``budget - window`` sinks and the whole window, where :func:`~snapkv_sessions.press.streaming_positions`
+    kept every sink and cut into the window. Ranks stay exact in float32 below 2**23 slots.
     """
 
     window: int
@@ -160,7 +162,8 @@ class StreamingLLM:
         positions = state.positions[layer]  # (B, Hkv, T)
         hist = positions.shape[-1] - self.window
         recency = torch.arange(hist, dtype=torch.float32, device=positions.device)  # (T - W,) later is higher
-        ranks = recency + hist * (recency < self.sinks)  # (T - W,) sinks above every recent slot
+        # sinks above every recent slot, the first one highest: a budget too small for all sinks keeps the first
+        ranks = torch.where(recency < self.sinks, 2 * hist - recency, recency)  # (T - W,)
         return ranks.expand(*positions.shape[:2], hist)  # (B, Hkv, T - W)
 
 

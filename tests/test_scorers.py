@@ -182,6 +182,14 @@ def test_streaming_scores_keep_streaming_positions(length, budget, window, sinks
     assert torch.equal(got, streaming_positions(length, budget, sinks, 1, 2, "cpu"))
 
 
+def test_streaming_sinks_past_the_history_budget_keep_the_window():
+    # the one case the seam changes: sinks > budget - window keeps the first sinks that fit and the whole window
+    # (streaming_positions kept [0, 1, 2, 3, 44, ..., 49], cutting into the window)
+    rule = KeepRule(8, torch.zeros(50, dtype=torch.bool), n_pinned=0)
+    got = select_layer(StreamingLLM(8, sinks=4), torch.rand(1, 2, 50), _positions_state(50, heads=1), 0, 10, rule)
+    assert got[0, 0].tolist() == [0, 1, *range(42, 50)]
+
+
 def test_streaming_spellings_agree_and_keep_pins():
     runner = ModelRunner(build_tiny("llama"))
     kept = []
