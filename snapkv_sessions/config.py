@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from .errors import ConfigError
+
+BUILTIN_SCORERS = ("snapkv", "streaming")  # registered by snapkv_sessions.scorers when it is imported
+
+
+def registered_scorers() -> tuple[str, ...]:
+    """Scorer keys a config may name now, read without importing torch.
+
+    Registering a scorer imports :mod:`snapkv_sessions.scorers`, so while that module is not loaded only the
+    built-in scorers exist; once it is, its registry is the truth (it may have grown since this module loaded).
+    """
+    scorers = sys.modules.get(f"{__package__}.scorers")
+    return tuple(scorers.SCORERS) if scorers is not None else BUILTIN_SCORERS
 
 
 class CompressionConfig(BaseModel):
@@ -35,14 +56,21 @@ class CompressionConfig(BaseModel):
         layers keep more, upper layers less, same total).
     pyramid_beta:
         PyramidKV's beta: the top layer keeps ``(budget - window) / beta`` history tokens.
+    scorer:
+        Key of the scorer that ranks history positions, in :data:`snapkv_sessions.scorers.SCORERS`:
+        ``"snapkv"`` (default), ``"streaming"``, or one added with
+        :func:`~snapkv_sessions.scorers.register_scorer` before the config is built. Every scorer shares the
+        top-k, the pins, the window and the per-layer budgets.
     method:
         ``"snapkv"`` (default), or ``"streaming"``: StreamingLLM's fixed pattern (Xiao et al., 2023,
         arXiv:2309.17453), the first ``sinks`` slots plus the most recent ones, a baseline for benchmarks.
+        The older spelling of ``scorer="streaming"``.
     sinks:
         Attention-sink slots kept by ``method="streaming"``.
     span_aware:
         Score whole words (whitespace-delimited token runs): every token of a word gets the word's best score,
-        so kept positions tend to cover whole words and numbers. Needs the runner's tokenizer.
+        so kept positions tend to cover whole words and numbers. Wraps the scorer (not the streaming one, whose
+        pattern is positional). Needs the runner's tokenizer.
     pin_overflow:
         What happens when the pinned positions alone exceed a layer's history budget: ``"error"`` raises
         :class:`~snapkv_sessions.errors.BudgetError`; ``"grow"`` keeps every pinned position and grows that
@@ -63,6 +91,30 @@ class CompressionConfig(BaseModel):
     method: Literal["snapkv", "streaming"] = "snapkv"
     sinks: int = 4
     span_aware: bool = False
+    scorer: str = "snapkv"
+
+    @property
+    def base_scorer(self) -> str:
+        """The registry key compression runs: ``method="streaming"`` selects the streaming scorer."""
+        return "streaming" if self.method == "streaming" else self.scorer
+
+    @field_validator("scorer")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        known = registered_scorers()
+        if name not in known:
+            raise ValueError(f"unknown scorer {name!r}; registered: {sorted(known)} (register one with "
+                             "snapkv_sessions.scorers.register_scorer before building the config)")
+        return name
+
+    @model_serializer(mode="wrap")
+    def _default_scorer_unsaid(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # A policy's canonical JSON (and so its sha256, stored with every session) stays what it was before
+        # the scorer field existed unless a policy names another scorer.
+        data = handler(self)
+        if self.scorer == "snapkv":
+            data.pop("scorer", None)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +140,9 @@ class CompressionConfig(BaseModel):
             raise ValueError(f"kernel={self.kernel} must be a positive odd number")
         if self.pyramid_beta < 1:
             raise ValueError(f"pyramid_beta={self.pyramid_beta} must be >= 1")
+        if self.method == "streaming" and self.scorer not in ("snapkv", "streaming"):
+            raise ValueError(f"scorer={self.scorer!r} conflicts with method='streaming', which selects the "
+                             "'streaming' scorer; set only one of them")
         return self
 
     @classmethod

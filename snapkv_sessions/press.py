@@ -5,17 +5,24 @@ for Before Generation", arXiv:2404.14469): average the observation window's atte
 it along the positions so that neighbours of a hot token come along, reduce the query heads of a GQA group to
 their KV head, then keep the top-k history positions per KV head plus the observation window itself. The
 per-layer budgets optionally follow PyramidKV (Cai et al., 2024, arXiv:2406.02069).
+
+:class:`SnapKV` is one scorer behind the seam of :mod:`snapkv_sessions.scorers`; :func:`select_positions` and
+:func:`layer_budgets` are the top-k (pins forced in) and per-layer budgets every scorer shares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from .config import CompressionConfig
 from .errors import BudgetError
+
+if TYPE_CHECKING:
+    from .state import KVState
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
@@ -42,7 +49,11 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
 
 @dataclass
 class SnapKV:
-    """SnapKV scorer for one layer.
+    """SnapKV scorer (Li et al., 2024, arXiv:2404.14469): a :class:`~snapkv_sessions.scorers.Scorer`.
+
+    A history slot's score is the attention the observation window pays it, averaged over the window's queries
+    (the probe does that), pooled along positions so that the neighbours of a hot token come along, then
+    reduced over the query heads of each KV head's GQA group.
 
     Parameters
     ----------
@@ -58,20 +69,29 @@ class SnapKV:
     head_reduce: str = "mean"
 
     @classmethod
-    def from_config(cls, cfg: CompressionConfig) -> SnapKV:
-        return cls(window=cfg.window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
+    def from_config(cls, cfg: CompressionConfig, window: int | None = None) -> SnapKV:
+        """The scorer ``cfg`` describes; ``window`` overrides ``cfg.window`` (a short turn observes fewer)."""
+        return cls(window=cfg.window if window is None else window, kernel=cfg.kernel, pooling=cfg.pooling,
+                   head_reduce=cfg.head_reduce)
 
-    def score(self, window_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-        """Importance of every history position (all but the last W) for each KV head.
+    def score(self, window_probs: torch.Tensor, state: KVState | int, layer: int = 0) -> torch.Tensor:
+        """Importance of every history position (all but the last W) for each KV head of ``layer``.
 
         Parameters
         ----------
         window_probs : (B, Hq, T) window-mean attention probabilities over the layer's cache
+        state : the conversation's state (only its KV-head count is read), or that count itself (the call
+            form from before the scorer seam, ``score(window_probs, num_kv_heads)``, kept working)
 
         Returns
         -------
         (B, Hkv, T - W)
         """
+        heads = state if isinstance(state, int) else int(state.positions[layer].shape[1])
+        return self.history_scores(window_probs, heads)  # (B, Hkv, T - W)
+
+    def history_scores(self, window_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """The scoring itself: (B, Hq, T) window attention in, (B, Hkv, T - W) history scores out."""
         bsz, n_q, t_len = window_probs.shape
         hist = window_probs[..., : t_len - self.window]  # (B, Hq, P)
         pooled = pool_scores(hist, self.kernel, self.pooling)  # (B, Hq, P)

@@ -18,9 +18,10 @@ from .cache import CompactCache, set_layer
 from .config import CompressionConfig
 from .errors import ConfigError, UnsupportedModelError
 from .generation import GenerationConfig, Sampler
-from .gpu import fused_gather, fused_scorer
-from .press import SnapKV, layer_budgets, select_positions, spread_over_words, streaming_positions
+from .gpu import fused_gather
+from .press import layer_budgets
 from .report import CompressionReport
+from .scorers import KeepRule, ScoreContext, Scorer, build_scorer, select_layer, word_ids
 from .state import KVState
 from .transcript import TurnPlan, observation_window, to_ranges
 
@@ -289,14 +290,13 @@ class ModelRunner:
             kv_bytes_before=state.kv_bytes(),
         )
         history = self._history_attention(state, probe)  # a device scalar: read once, at the end
-        # the fused Triton scorer on CUDA (snapkv_sessions.gpu), else the torch fallback: equal scores
-        scorer = fused_scorer(self.device, window, cfg.kernel, cfg.pooling, cfg.head_reduce) or SnapKV(
-            window=window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
-        grow = cfg.pin_overflow == "grow"
-        # pins plus protected tokens in the history part (all but the window); never evicted, so every
-        # layer and head holds all of them
-        n_pinned = int(keep_host[: state.next_position - window].sum())
-        word_ids = self._word_ids(state) if cfg.span_aware and cfg.method != "streaming" else None
+        # the scorer the config names (snapkv_sessions.scorers): on CUDA the "snapkv" key builds the fused
+        # Triton scorer, elsewhere the torch one (equal scores)
+        scorer = build_scorer(cfg, ScoreContext(window, self.num_kv_heads, self.device, self.tokenizer))
+        # pins plus protected tokens in the history part (all but the window) are never evicted, so every
+        # layer and head holds all of them: the host count is the count of every head
+        rule = KeepRule(window, keep_mask, grow=cfg.pin_overflow == "grow",
+                        n_pinned=int(keep_host[: state.next_position - window].sum()))
         chosen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, K) slots to keep
         t0 = time.perf_counter()
         for layer, lay in enumerate(state.cache.layers):
@@ -305,8 +305,7 @@ class ModelRunner:
                 raise ConfigError("probe", f"layer {layer}", "was recorded on another cache length; compress "
                                   "right after the prefill that observed")
             if length > budgets[layer]:
-                chosen[layer] = self._select(state, probe, cfg, scorer, keep_mask, layer, budgets[layer], grow,
-                                             n_pinned, word_ids)  # (B, Hkv, K)
+                chosen[layer] = self._select(state, probe, scorer, rule, layer, budgets[layer])  # (B, Hkv, K)
         t1 = time.perf_counter()
         if chosen:  # a cache that fits every budget is left alone, and costs nothing
             self._gather(state, chosen)
@@ -354,31 +353,16 @@ class ModelRunner:
         report.history_attention = values[-1] if history is not None else None
         report.kv_bytes_after = state.kv_bytes()
 
-    def _select(self, state: KVState, probe: WindowProbe, cfg: CompressionConfig, scorer: SnapKV,
-                keep_mask: torch.Tensor, layer: int, budget: int, grow: bool, n_pinned: int | None = None,
-                word_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Sorted slot indices to keep in one layer, (B, Hkv, K). No host synchronisation."""
-        positions = state.positions[layer]  # (B, Hkv, T)
-        length, window = positions.shape[-1], probe.window
-        if cfg.method == "streaming":
-            return streaming_positions(length, budget, cfg.sinks, *positions.shape[:2], positions.device)
-        scores = scorer.score(probe.scores[layer], self.num_kv_heads)  # (B, Hkv, T - W)
-        hist_pos = positions[..., : length - window]  # (B, Hkv, T - W)
-        if word_ids is not None:
-            # word ids count word starts, so they stay below the number of true positions
-            scores = spread_over_words(scores, word_ids[hist_pos], num_words=len(word_ids) + 1)  # (B, Hkv, T - W)
-        pinned = keep_mask[hist_pos]  # (B, Hkv, T - W)
-        return select_positions(scores, budget - window, window, pinned, grow, layer, n_pinned)  # (B, Hkv, K)
+    def _select(self, state: KVState, probe: WindowProbe, scorer: Scorer, rule: KeepRule, layer: int,
+                budget: int) -> torch.Tensor:
+        """Sorted slot indices to keep in one layer, (B, Hkv, K): the shared top-k. No host synchronisation."""
+        return select_layer(scorer, probe.scores[layer], state, layer, budget, rule)  # (B, Hkv, K)
 
     def _word_ids(self, state: KVState) -> torch.Tensor:
         """(N,) word index of every true position: a new word starts at a token that begins with whitespace."""
         if self.tokenizer is None:
             raise ConfigError("span_aware", True, "needs the runner to have a tokenizer")
-        pieces = self.tokenizer.convert_ids_to_tokens(state.token_ids)
-        # byte-level BPE marks a leading space as "Ġ" and a newline as "Ċ"; sentencepiece uses "▁"
-        starts = [not p or p[0] in "ĠĊ▁ \n\t" or (i and pieces[i - 1] and pieces[i - 1][-1] in "Ċ\n")
-                  for i, p in enumerate(pieces)]
-        return torch.tensor(starts, dtype=torch.long, device=self.device).cumsum(0)  # (N,)
+        return word_ids(self.tokenizer, state.token_ids, self.device)  # (N,)
 
     @staticmethod
     def _history_attention(state: KVState, probe: WindowProbe, sinks: int = 4) -> torch.Tensor | None:

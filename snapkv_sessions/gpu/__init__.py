@@ -1,7 +1,8 @@
 """CUDA fast paths, each behind a guarded import and each with a device-agnostic fallback in the core.
 
 * :mod:`snapkv_sessions.gpu.triton_scores`: SnapKV scoring (pooling along positions and the GQA head
-  reduction) fused into one Triton kernel; fallback :meth:`snapkv_sessions.press.SnapKV.score`.
+  reduction) fused into one Triton kernel, a scorer of the seam in :mod:`snapkv_sessions.scorers` (its
+  ``"snapkv"`` factory asks :func:`fused_scorer` first); fallback :meth:`snapkv_sessions.press.SnapKV.score`.
 * :mod:`snapkv_sessions.gpu.triton_gather`: the compression gather of every layer in one launch per keys and
   values; fallback: the per-layer ``gather`` in :meth:`snapkv_sessions.runner.ModelRunner.compress`.
 * :mod:`snapkv_sessions.gpu.check`: the prepared GPU check, ``python -m snapkv_sessions.gpu.check``

@@ -3,7 +3,8 @@
 On CUDA (default ``--model qwen2.5-coder-0.5b-instruct --dtype bf16 --lengths 16384,32768``), for each length:
 
 * ``selection_identical``: the kept indices of the device path (fused Triton scorer where available, selection
-  on the device) equal the CPU fp32 reference (torch scorer, CPU selection) run on the same window scores;
+  on the device) equal the CPU fp32 reference (torch scorer, the same shared top-k on the CPU) run on the same
+  window scores;
 * ``tpot_ms``: median time per output token, full cache versus the budget (10% by default), and their ratio;
 * ``compression_share``: compression time (selection and gather; the window scores are part of the prefill)
   as a share of the prefill;
@@ -57,21 +58,24 @@ def _tiny_model():
     return AutoModelForCausalLM.from_config(cfg).eval(), None
 
 
-def _reference_kept(runner, probe, positions, keep_mask, cfg, budgets) -> list:
-    """Per layer, the kept true positions from the CPU fp32 torch path on the same window scores."""
-    from ..press import SnapKV, select_positions
+def _reference_kept(full, probe, cfg, budgets) -> list:
+    """Per layer, the kept true positions of the CPU fp32 reference: the torch SnapKV scorer and the shared
+    top-k (:func:`snapkv_sessions.scorers.select_layer`) on the same window scores, from the uncompressed
+    state ``full``."""
+    from dataclasses import replace
 
-    scorer = SnapKV(window=probe.window, kernel=cfg.kernel, pooling=cfg.pooling, head_reduce=cfg.head_reduce)
+    from ..press import SnapKV
+    from ..scorers import KeepRule, select_layer
+
+    host = replace(full, positions=[p.cpu() for p in full.positions])  # the torch scorer reads no keys
+    scorer = SnapKV.from_config(cfg, window=probe.window)
+    rule = KeepRule(probe.window, full.pinned.cpu(), grow=True)
     kept = []
-    for layer, pos in enumerate(positions):
-        pos = pos.cpu()  # (B, Hkv, T)
-        length = pos.shape[-1]
-        if length <= budgets[layer]:
+    for layer, pos in enumerate(host.positions):  # (B, Hkv, T) each
+        if pos.shape[-1] <= budgets[layer]:
             kept.append(pos)
             continue
-        scores = scorer.score(probe.scores[layer].cpu().float(), runner.num_kv_heads)  # (B, Hkv, T - W)
-        hist = pos[..., : length - probe.window]  # (B, Hkv, T - W)
-        idx = select_positions(scores, budgets[layer] - probe.window, probe.window, keep_mask[hist], True, layer)
+        idx = select_layer(scorer, probe.scores[layer].cpu().float(), host, layer, budgets[layer], rule)  # (B, Hkv, K)
         kept.append(pos.gather(-1, idx))  # (B, Hkv, K)
     return kept
 
@@ -109,16 +113,14 @@ def measure(runner, length: int, budget: float, window: int, steps: int) -> dict
     prefill_ms = (time.perf_counter() - t0) * 1e3
     full = copy.deepcopy(state)
     cfg = CompressionConfig.make(budget_ratio=budget, window=window)
-    before = [p.clone() for p in state.positions]
     _sync(device)
     t1 = time.perf_counter()
     runner.compress(state, cfg, probe)
     _sync(device)
     compress_ms = (time.perf_counter() - t1) * 1e3
-    reference = _reference_kept(runner, probe, before, state.pinned.cpu(), cfg,
-                                layer_budgets(cfg, runner.num_layers, length))
+    reference = _reference_kept(full, probe, cfg, layer_budgets(cfg, runner.num_layers, length))
     identical = [bool(torch.equal(p.cpu(), r)) for p, r in zip(state.positions, reference, strict=True)]
-    del probe, before
+    del probe
     tpot_full = _tpot(runner, full, logits, steps)
     del full
     tpot_budget = _tpot(runner, state, logits, steps)

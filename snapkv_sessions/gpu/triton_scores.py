@@ -1,7 +1,7 @@
 """SnapKV scoring fused into one Triton kernel: pooling along positions and the GQA head reduction.
 
-The torch fallback (:meth:`snapkv_sessions.press.SnapKV.score`) runs a pooling kernel over every query head,
-then a reduction over each KV head's group: the pooled (B, Hq, P) tensor goes through memory twice. Here one
+The torch fallback (:meth:`snapkv_sessions.press.SnapKV.history_scores`) runs a pooling kernel over every query
+head, then a reduction over each KV head's group: the pooled (B, Hq, P) tensor goes through memory twice. Here one
 program reads each (query head, position) window once and writes the (B, Hkv, P) scores directly. Top-k and
 the gather stay in torch (no host synchronisation either way).
 
@@ -96,7 +96,8 @@ def fused_score(window_probs: torch.Tensor, num_kv_heads: int, window: int, kern
 
 @dataclass
 class FusedSnapKV(SnapKV):
-    """:class:`snapkv_sessions.press.SnapKV` whose ``score`` runs the fused Triton kernel."""
+    """:class:`snapkv_sessions.press.SnapKV` whose scoring runs the fused Triton kernel; same scorer protocol."""
 
-    def score(self, window_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    def history_scores(self, window_probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """(B, Hq, T) window attention in, (B, Hkv, T - W) float32 history scores out, in one launch."""
         return fused_score(window_probs, num_kv_heads, self.window, self.kernel, self.pooling, self.head_reduce)
