@@ -30,6 +30,19 @@ def main() -> None:
     """Recoverable per-turn SnapKV sessions over a local Hugging Face causal LM."""
 
 
+PLOT_INSTALL = "pip install matplotlib (or the extra: pip install 'snapkv-sessions[demo]')"
+
+
+def need_matplotlib(plot_path: str | None) -> None:
+    """``--plot`` draws with matplotlib, an optional dependency: say how to install it before any work is done."""
+    if not plot_path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.ClickException(f"--plot {plot_path}: matplotlib is not installed; {PLOT_INSTALL}") from None
+
+
 def quiet_loaders() -> None:
     """A CLI prints its own figures; the model loaders' progress bars only clutter them."""
     from transformers.utils import logging as hf_logging
@@ -113,6 +126,7 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
 @clean_errors
 def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> None:
     """Prefill, compression overhead, TTFT, TPOT p50/p95/p99 and KV bytes per length and budget."""
+    need_matplotlib(plot_path)
     from .bench import speed
 
     quiet_loaders()
@@ -139,6 +153,7 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
 @clean_errors
 def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_path, out, as_json) -> None:
     """Accuracy per task and role split: full cache, session, StreamingLLM, SnapKV without pins or recovery."""
+    need_matplotlib(plot_path)
     from .bench import quality
 
     quiet_loaders()
@@ -163,6 +178,7 @@ def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_p
 @clean_errors
 def bench_knee(model, n_items, budgets, window, max_new_tokens, lengths, plot_path, out, as_json) -> None:
     """Accuracy against budget; the smallest budget within 2 points of full; degeneration; span-aware at 10%."""
+    need_matplotlib(plot_path)
     from .bench import quality
 
     quiet_loaders()
@@ -349,7 +365,7 @@ def _detail_text(detail: dict) -> str:
 @click.option("--turn", type=int, default=None, help="Detail one turn: kept positions mapped to messages.")
 @click.option("--verify", "do_verify", is_flag=True, help="Check the hash chain, then re-execute and compare.")
 @click.option("--against", type=click.Choice(["full"]), default=None, help="Fidelity audit against a full cache.")
-@click.option("--plot", "plot_path", default=None, help="Write a retention heatmap and drift timeline PNG.")
+@click.option("--plot", "plot_path", default=None, help="Write a retention heatmap + drift timeline PNG (matplotlib).")
 @click.option("--model", default=None, help="Model for --verify/--against (default: the session's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @clean_errors
@@ -357,6 +373,7 @@ def replay(session_id, db, turn, do_verify, against, plot_path, model, as_json) 
     """Audit a session: per-turn retention, drift and timings; verify or compare re-executions."""
     from . import audit
 
+    need_matplotlib(plot_path)
     store = _store(db)
     store.get_session(session_id)
     if do_verify:

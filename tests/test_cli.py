@@ -53,6 +53,17 @@ def test_cli_errors_are_clean():
     assert res.exit_code == 1 and "window=0" in res.output and "Traceback" not in res.output
 
 
+def test_plot_without_matplotlib_is_a_clean_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    png = tmp_path / "r.png"
+    hint = "matplotlib is not installed; pip install matplotlib (or the extra: pip install 'snapkv-sessions[demo]')"
+    res = CliRunner().invoke(main, ["replay", "any-session", "--db", f"sqlite:///{tmp_path / 'p.db'}", "--plot", str(png)])
+    assert res.exit_code == 1 and res.output.strip() == f"Error: --plot {png}: {hint}"
+    # a benchmark says so before it loads a model, not after an hour of measuring
+    res = CliRunner().invoke(main, ["bench", "knee", "--model", "/nonexistent", "--plot", str(png), "--json"])
+    assert res.exit_code == 1 and res.output.strip() == f"Error: --plot {png}: {hint}" and not png.exists()
+
+
 def test_engine_quickstart_example(smollm2):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "engine_quickstart.py")], capture_output=True,
                          text=True, timeout=300, check=True).stdout
