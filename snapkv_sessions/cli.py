@@ -51,7 +51,7 @@ def quiet_loaders() -> None:
 
 
 @main.command()
-@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--model", default=None, help="Model id, folder, GGUF or bundle.  [default: qwen2.5-coder-0.5b-instruct]")
 @click.option("--policy", default="default", show_default=True, help="Policy name or YAML path.")
 @click.option("--budget", default=160, show_default=True, help="Override: tokens kept per layer and KV head.")
 @click.option("--window", default=16, show_default=True, help="Override: observation window.")
@@ -60,25 +60,33 @@ def quiet_loaders() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
 @clean_errors
 def demo(model, policy, budget, window, max_new_tokens, db, as_json) -> None:
-    """Run a scripted multi-turn session and print what each turn kept."""
-    from .demo import demo_policy, run_demo
+    """Run a scripted multi-turn session: each question, its answer as it is decoded, and what the turn kept."""
+    from .demo import DEFAULT_MODEL, demo_policy, run_demo
 
     quiet_loaders()
-    for row in run_demo(model, demo_policy(policy, budget, window), db, max_new_tokens):
+    for row in run_demo(model or DEFAULT_MODEL, demo_policy(policy, budget, window), db, max_new_tokens,
+                        stream=not as_json):
+        event = row.get("event")
         if as_json:
-            click.echo(json.dumps(row))
-        elif row.get("event") == "session":
-            click.echo(f"session {row['session_id']} (policy {row['policy']}) stored in {row['store']}")
-        elif row.get("event") == "verified":
-            click.echo(f"hash chain {'intact' if row['hash_chain_ok'] else 'BROKEN: ' + str(row['problems'])}; "
-                       f"reopen with Session.open({row['session_id']!r})")
+            if event != "question":
+                click.echo(json.dumps(row))
+        elif event == "session":
+            click.echo(f"session {row['session_id']} on {row['model']} (policy {row['policy']}) "
+                       f"stored in {row['store']}")
+        elif event == "question":
+            click.echo(f"\nturn {row['turn']} ({row['note']})\n  user: {row['user']}\n  assistant: ", nl=False)
+        elif event == "piece":
+            click.echo(row["text"].replace("\n", "\n             "), nl=False)
+            sys.stdout.flush()
+        elif event == "verified":
+            click.echo(f"\nhash chain {'intact' if row['hash_chain_ok'] else 'BROKEN: ' + str(row['problems'])}; "
+                       f"audit it with `snapkv-sessions replay {row['session_id']}`")
         else:
             roles = ", ".join(f"{r} {v:.0%}" for r, v in row["kept_per_role"].items())
             click.echo(
-                f"turn {row['turn']}: context {row['context_tokens']} tok -> cache {row['cache_after']} per layer/head; "
-                f"kept {roles}; compression {row['compression_ms']:.1f} ms; "
-                f"re-prefill {'yes' if row['reprefill'] else 'no'}\n"
-                f"  user: {row['user']}\n  assistant: " + row["reply"].replace("\n", "\n             ")
+                f"\n  context {row['context_tokens']} tok -> cache {row['cache_after']} per layer/head; kept {roles}; "
+                f"compression {row['compression_ms']:.1f} ms; re-prefill {'yes' if row['reprefill'] else 'no'}; "
+                f"expected {row['expected']!r}: {'found' if row['correct'] else 'NOT found'}"
             )
 
 
