@@ -38,7 +38,7 @@ QUESTIONS = [
     Question("Who delivers Maria's parcel?", "Tom", "a lookup"),
     Question("And which depot does Maria's parcel leave from?", "Oslo", "a follow-up: the compressed cache is kept"),
     Question("Who delivers Tariq's parcel?", "Sam", "another record, likely evicted: drift re-prefills"),
-    Question("Summarise in one sentence what this list is about.", "parcel", "a task shift: drift re-prefills"),
+    Question("Summarise in one sentence what this whole list is about.", "parcel", "a task shift: drift re-prefills"),
 ]
 
 
