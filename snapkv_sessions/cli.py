@@ -30,6 +30,19 @@ def main() -> None:
     """Recoverable per-turn SnapKV sessions over a local Hugging Face causal LM."""
 
 
+PLOT_INSTALL = "pip install matplotlib (or the extra: pip install 'snapkv-sessions[demo]')"
+
+
+def need_matplotlib(plot_path: str | None) -> None:
+    """``--plot`` draws with matplotlib, an optional dependency: say how to install it before any work is done."""
+    if not plot_path:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.ClickException(f"--plot {plot_path}: matplotlib is not installed; {PLOT_INSTALL}") from None
+
+
 def quiet_loaders() -> None:
     """A CLI prints its own figures; the model loaders' progress bars only clutter them."""
     from transformers.utils import logging as hf_logging
@@ -38,7 +51,7 @@ def quiet_loaders() -> None:
 
 
 @main.command()
-@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--model", default=None, help="Model id, folder, GGUF or bundle.  [default: qwen2.5-coder-0.5b-instruct]")
 @click.option("--policy", default="default", show_default=True, help="Policy name or YAML path.")
 @click.option("--budget", default=160, show_default=True, help="Override: tokens kept per layer and KV head.")
 @click.option("--window", default=16, show_default=True, help="Override: observation window.")
@@ -47,25 +60,33 @@ def quiet_loaders() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
 @clean_errors
 def demo(model, policy, budget, window, max_new_tokens, db, as_json) -> None:
-    """Run a scripted multi-turn session and print what each turn kept."""
-    from .demo import demo_policy, run_demo
+    """Run a scripted multi-turn session: each question, its answer as it is decoded, and what the turn kept."""
+    from .demo import DEFAULT_MODEL, demo_policy, run_demo
 
     quiet_loaders()
-    for row in run_demo(model, demo_policy(policy, budget, window), db, max_new_tokens):
+    for row in run_demo(model or DEFAULT_MODEL, demo_policy(policy, budget, window), db, max_new_tokens,
+                        stream=not as_json):
+        event = row.get("event")
         if as_json:
-            click.echo(json.dumps(row))
-        elif row.get("event") == "session":
-            click.echo(f"session {row['session_id']} (policy {row['policy']}) stored in {row['store']}")
-        elif row.get("event") == "verified":
-            click.echo(f"hash chain {'intact' if row['hash_chain_ok'] else 'BROKEN: ' + str(row['problems'])}; "
-                       f"reopen with Session.open({row['session_id']!r})")
+            if event != "question":
+                click.echo(json.dumps(row))
+        elif event == "session":
+            click.echo(f"session {row['session_id']} on {row['model']} (policy {row['policy']}) "
+                       f"stored in {row['store']}")
+        elif event == "question":
+            click.echo(f"\nturn {row['turn']} ({row['note']})\n  user: {row['user']}\n  assistant: ", nl=False)
+        elif event == "piece":
+            click.echo(row["text"].replace("\n", "\n             "), nl=False)
+            sys.stdout.flush()
+        elif event == "verified":
+            click.echo(f"\nhash chain {'intact' if row['hash_chain_ok'] else 'BROKEN: ' + str(row['problems'])}; "
+                       f"audit it with `snapkv-sessions replay {row['session_id']}`")
         else:
             roles = ", ".join(f"{r} {v:.0%}" for r, v in row["kept_per_role"].items())
             click.echo(
-                f"turn {row['turn']}: context {row['context_tokens']} tok -> cache {row['cache_after']} per layer/head; "
-                f"kept {roles}; compression {row['compression_ms']:.1f} ms; "
-                f"re-prefill {'yes' if row['reprefill'] else 'no'}\n"
-                f"  user: {row['user']}\n  assistant: " + row["reply"].replace("\n", "\n             ")
+                f"\n  context {row['context_tokens']} tok -> cache {row['cache_after']} per layer/head; kept {roles}; "
+                f"compression {row['compression_ms']:.1f} ms; re-prefill {'yes' if row['reprefill'] else 'no'}; "
+                f"expected {row['expected']!r}: {'found' if row['correct'] else 'NOT found'}"
             )
 
 
@@ -113,6 +134,7 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
 @clean_errors
 def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> None:
     """Prefill, compression overhead, TTFT, TPOT p50/p95/p99 and KV bytes per length and budget."""
+    need_matplotlib(plot_path)
     from .bench import speed
 
     quiet_loaders()
@@ -139,6 +161,7 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
 @clean_errors
 def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_path, out, as_json) -> None:
     """Accuracy per task and role split: full cache, session, StreamingLLM, SnapKV without pins or recovery."""
+    need_matplotlib(plot_path)
     from .bench import quality
 
     quiet_loaders()
@@ -163,6 +186,7 @@ def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_p
 @clean_errors
 def bench_knee(model, n_items, budgets, window, max_new_tokens, lengths, plot_path, out, as_json) -> None:
     """Accuracy against budget; the smallest budget within 2 points of full; degeneration; span-aware at 10%."""
+    need_matplotlib(plot_path)
     from .bench import quality
 
     quiet_loaders()
@@ -349,7 +373,7 @@ def _detail_text(detail: dict) -> str:
 @click.option("--turn", type=int, default=None, help="Detail one turn: kept positions mapped to messages.")
 @click.option("--verify", "do_verify", is_flag=True, help="Check the hash chain, then re-execute and compare.")
 @click.option("--against", type=click.Choice(["full"]), default=None, help="Fidelity audit against a full cache.")
-@click.option("--plot", "plot_path", default=None, help="Write a retention heatmap and drift timeline PNG.")
+@click.option("--plot", "plot_path", default=None, help="Write a retention heatmap + drift timeline PNG (matplotlib).")
 @click.option("--model", default=None, help="Model for --verify/--against (default: the session's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @clean_errors
@@ -357,6 +381,7 @@ def replay(session_id, db, turn, do_verify, against, plot_path, model, as_json) 
     """Audit a session: per-turn retention, drift and timings; verify or compare re-executions."""
     from . import audit
 
+    need_matplotlib(plot_path)
     store = _store(db)
     store.get_session(session_id)
     if do_verify:

