@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -114,3 +115,88 @@ def stream_text(tokenizer, token_ids: Iterable[int]) -> Iterator[str]:
         if len(text) > len(emitted):
             yield text[len(emitted) :]
             emitted = text
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """``text`` before the earliest occurrence of any stop string (all of it when none occurs).
+
+    The earliest occurrence over all stops, whatever their order: ``cut_at_stop("abcd", ["cd", "bc"]) == "a"``.
+    """
+    ends = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(ends)] if ends else text
+
+
+class TextStream:
+    """Turns decoded token ids, one at a time, into the text that may be shown now.
+
+    Each :meth:`push` decodes every id so far (``skip_special_tokens=True``, exactly as the final reply is
+    decoded) and returns the new text that is safe to show: nothing while the decode ends in an incomplete
+    UTF-8 sequence (``"\\ufffd"``), nothing at or past a stop string, and nothing of a tail that could still
+    grow into a stop string. :meth:`finish` returns the rest, so that the pieces concatenate to
+    ``cut_at_stop(decode(ids), stops)`` (then in :attr:`text`).
+
+    The guarantee holds for decoders whose output for ``ids[:k]`` is a prefix of the output for ``ids`` (byte-level
+    BPE, as for SmolLM2, Qwen2 and Llama-3); a piece is never emitted that a longer decode contradicts.
+
+    Parameters
+    ----------
+    tokenizer : a Hugging Face tokenizer (anything with ``decode(ids, skip_special_tokens=...)``)
+    stops : stop strings, non-empty
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()) -> None:
+        if isinstance(stops, str) or any(not isinstance(s, str) or not s for s in stops):
+            raise ConfigError("stop", stops, "must be a sequence of non-empty strings")
+        self.tokenizer = tokenizer
+        self.stops = tuple(stops)
+        self.ids: list[int] = []
+        self.text = ""  # shown so far; after finish(), the whole reply as shown
+        self.content = ""  # the latest complete decode; after finish(), the whole reply as stored
+        self.finished = False
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; returns the text newly safe to show ("" when none)."""
+        if self.finished:
+            raise ConfigError("token_id", token_id, "the stream is finished")
+        self.ids.append(int(token_id))
+        decoded = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if decoded.endswith("\ufffd"):  # an incomplete multi-byte character: wait for its other bytes
+            return ""
+        self.content = decoded
+        return self._show(decoded[: self._safe_end(decoded)])
+
+    def finish(self) -> str:
+        """The rest of the shown text, once generation is over: the held-back tail that never became a stop."""
+        self.content = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.finished = True
+        final = cut_at_stop(self.content, self.stops)
+        # Every emitted piece was a prefix of the final text (see _safe_end), so only the tail is left to show.
+        rest = final[len(self.text):] if final.startswith(self.text) else ""
+        self.text = final
+        return rest
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the decode so far contains a stop string."""
+        return any(s in self.content for s in self.stops)
+
+    def _show(self, safe: str) -> str:
+        if len(safe) <= len(self.text) or not safe.startswith(self.text):
+            return ""
+        piece, self.text = safe[len(self.text):], safe
+        return piece
+
+    def _safe_end(self, decoded: str) -> int:
+        """Length of the prefix of ``decoded`` that no continuation can cut: it ends before the first complete stop
+        and before any tail that is the start of a stop (which later text could complete)."""
+        end = len(decoded)
+        for stop in self.stops:
+            at = decoded.find(stop)
+            if at >= 0:
+                end = min(end, at)
+            # the longest tail that is a proper prefix of this stop starts earliest
+            for k in range(min(len(stop) - 1, len(decoded)), 0, -1):
+                if decoded.endswith(stop[:k]):
+                    end = min(end, len(decoded) - k)
+                    break
+        return end

@@ -52,6 +52,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validat
 
 from ..chat import Message
 from ..errors import ConfigError
+from ..generation import cut_at_stop
 from ..policy import ROLES, Policy
 from ..session import Reply, Session
 from ..store import SessionStore
@@ -130,12 +131,6 @@ def _call_id(session_id: str, turn: int, index: int) -> str:
     return f"call_{session_id[:8]}_{turn}_{index}"
 
 
-def _cut(text: str, stops: Sequence[str]) -> str:
-    """``text`` before the first stop string (the reply as :class:`Reply.text` shows it)."""
-    ends = [text.index(s) for s in stops if s and s in text]
-    return text[: min(ends)] if ends else text
-
-
 def reply_view(session_id: str, turn: int, text: str, tools: list[str] | None) -> tuple[str, list[dict]]:
     """The content and tool calls (with ids) an AIMessage shows for a reply's text."""
     if not tools:
@@ -145,11 +140,15 @@ def reply_view(session_id: str, turn: int, text: str, tools: list[str] | None) -
 
 
 class _StreamFilter:
-    """How much of a streamed reply may be shown yet: nothing past a stop string, no tool-call markup."""
+    """How much of a streamed reply may be shown yet when tools are bound: no tool-call markup.
 
-    def __init__(self, stops: Sequence[str], tools: bool) -> None:
+    Stop strings are not its business: ``Session.stream`` never yields text at or past one (nor a tail that could
+    start one), so without tools every piece passes through unchanged.
+    """
+
+    def __init__(self, tools: bool) -> None:
         self.tools = tools
-        self.markers = [s for s in stops if s] + ([TOOL_CALL_OPEN] if tools else [])
+        self.markers = [TOOL_CALL_OPEN] if tools else []
         self.text = ""
         self.shown = ""
 
@@ -166,7 +165,7 @@ class _StreamFilter:
             return ""  # maybe a bare JSON call: shown (or turned into a call) once the reply is complete
         cut = min([self.text.find(m) for m in self.markers if m in self.text] + [len(self.text)])
         head = self.text[:cut]
-        # hold back a tail that may be the first characters of a stop string or of "<tool_call>"
+        # hold back a tail that may be the first characters of "<tool_call>"
         held = max([k for m in self.markers for k in range(1, len(m)) if head.endswith(m[:k])] + [0])
         return head[: len(head) - held]
 
@@ -339,13 +338,15 @@ class ChatSnapKV(BaseChatModel):
         return f"langchain thread {thread_id}"
 
     def _reopen(self, thread_id: str) -> Session | None:
-        """The thread's latest session in a persistent store (same model and policy), rebuilt from the store."""
+        """The thread's latest session in a persistent store (same model and policy), rebuilt from the store.
+
+        Found through the indexed ``sessions.thread_id``; sessions written before that column existed carry the
+        thread in their title only, which the store reads only when the indexed lookup misses.
+        """
         store = self._session_store()
-        rows = [r for r in store.list_sessions() if r["title"] == self._title(thread_id)
-                and r["model_id"] == self.model_name and r["policy_sha256"] == self._policy.sha256]
-        if not rows:
-            return None
-        return Session.open(rows[-1]["id"], model=self.model, store=store)
+        sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=self._policy.sha256,
+                                       legacy_title=self._title(thread_id))
+        return None if sid is None else Session.open(sid, model=self.model, store=store)
 
     def _stored_keys(self, session: Session, tools: list[str] | None) -> list[tuple]:
         """Keys of the session's active messages; a reply is keyed as the AIMessage it was returned as."""
@@ -355,7 +356,7 @@ class ChatSnapKV(BaseChatModel):
         for msg in session.messages():
             if msg.seq in replies:
                 turn, stops = replies[msg.seq]
-                content, calls = reply_view(session.id, turn, _cut(msg.content, stops), tools)
+                content, calls = reply_view(session.id, turn, cut_at_stop(msg.content, stops), tools)
                 msg = Message(role="assistant", content=stored_text(content, calls))
             keys.append(_key(msg))
         return keys
@@ -368,8 +369,9 @@ class ChatSnapKV(BaseChatModel):
             if len(keys) < len(wanted) and [_key(m) for m in wanted[: len(keys)]] == keys:
                 self._threads[thread_id] = session
                 return session, wanted[len(keys):]
+        # the title is for people listing sessions; the thread is found again through the indexed thread_id
         session = Session.create(self.model, policy=self._policy, store=self._session_store(),
-                                 title=self._title(thread_id), history=wanted[:-1])
+                                 title=self._title(thread_id), thread_id=thread_id, history=wanted[:-1])
         self._threads[thread_id] = session
         return session, wanted[-1:]
 
@@ -455,7 +457,7 @@ class ChatSnapKV(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         with self._turn(messages, stop, kwargs) as turn:
-            shown = _StreamFilter(turn.generation["stop"], bool(turn.tools))
+            shown = _StreamFilter(bool(turn.tools))  # the session already holds back stop strings
             for piece in turn.session.stream(turn.message, **turn.generation):
                 text = shown.feed(piece)
                 if text:
@@ -464,7 +466,8 @@ class ChatSnapKV(BaseChatModel):
                         run_manager.on_llm_new_token(text, chunk=chunk)
                     yield chunk
             content, calls, usage, meta = self._reply_parts(turn, turn.session.last_reply)
-        # What was shown is a prefix of the final content (the filter never passes a stop string or a call).
+        # What was shown is a prefix of the final content: the session never yields a stop string, the filter
+        # never passes a call.
         rest = content[len(shown.shown):]
         chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["arguments"], ensure_ascii=False), id=c["id"],
                                   index=i) for i, c in enumerate(calls)]

@@ -9,14 +9,15 @@ import contextlib
 import os
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import create_engine, delete, event, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from ..errors import SnapKVError
+from ..errors import ConfigError, SnapKVError
 from . import schema
 from .hashing import GENESIS, message_hash
 from .locks import redis_lock, sql_lock
@@ -40,6 +41,25 @@ def default_url() -> str:
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class _NewMessage:
+    """One message to append to a session's hash chain (what :meth:`SessionStore._append` writes)."""
+
+    role: str
+    content: str
+    name: str | None = None
+    pinned: bool = False
+    turn: int | None = None
+    token_count: int | None = None  # content tokens, counted once by the caller at commit
+    pins: dict | None = None  # pinned character ranges of its rendered span (MessagePins.to_json()), at commit
+
+
+def _check_count(param: str, value: int | None) -> None:
+    """A stored token count is a non-negative int (None: not counted, e.g. a caller without a tokenizer)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(param, value, "must be a non-negative int or None")
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -129,14 +149,52 @@ class SessionStore:
     # ------------------------------------------------------------------ sessions
 
     def create_session(self, model_id: str, policy_json: str, policy_sha256: str, title: str | None = None,
-                       meta: dict | None = None) -> str:
+                       meta: dict | None = None, *, thread_id: str | None = None) -> str:
+        """A new, empty session; returns its id.
+
+        ``thread_id`` ties it to an agent framework's conversation (LangChain's ``thread_id``), found again with
+        :meth:`session_for_thread` through an index.
+        """
+        if thread_id is not None and (not isinstance(thread_id, str) or not thread_id
+                                      or len(thread_id) > schema.sessions.c.thread_id.type.length):
+            raise ConfigError("thread_id", thread_id,
+                              f"must be a non-empty string of at most {schema.sessions.c.thread_id.type.length} characters")
         sid = str(uuid.uuid4())
         now = _now()
         with self.engine.begin() as conn:
             conn.execute(insert(schema.sessions).values(
                 id=sid, created_at=now, updated_at=now, model_id=model_id, policy_json=policy_json,
-                policy_sha256=policy_sha256, title=title, turns_done=0, head_hash=GENESIS, meta=meta or {}))
+                policy_sha256=policy_sha256, title=title, turns_done=0, head_hash=GENESIS, meta=meta or {},
+                thread_id=thread_id))
         return sid
+
+    def session_for_thread(self, thread_id: str, *, model_id: str | None = None, policy_sha256: str | None = None,
+                           legacy_title: str | None = None) -> str | None:
+        """The newest session of ``thread_id`` (optionally of one model and policy), or None.
+
+        An indexed lookup on ``sessions.thread_id``. Several sessions of one thread (a conversation restarted
+        with an edited history) resolve to the newest: latest ``created_at``, ties broken by id so that every
+        worker picks the same one. ``legacy_title``: when no session carries the thread id, the newest session
+        with this title and no thread id at all (created before the column existed) is taken instead; that
+        fallback reads only when the indexed lookup misses.
+        """
+        cols = schema.sessions.c
+        found = self._newest_session(cols.thread_id == thread_id, model_id, policy_sha256)
+        if found is None and legacy_title is not None:
+            found = self._newest_session((cols.title == legacy_title) & cols.thread_id.is_(None), model_id,
+                                         policy_sha256)
+        return found
+
+    def _newest_session(self, where, model_id: str | None, policy_sha256: str | None) -> str | None:
+        cols = schema.sessions.c
+        q = select(cols.id).where(where)
+        if model_id is not None:
+            q = q.where(cols.model_id == model_id)
+        if policy_sha256 is not None:
+            q = q.where(cols.policy_sha256 == policy_sha256)
+        q = q.order_by(cols.created_at.desc(), cols.id.desc()).limit(1)
+        with self.engine.connect() as conn:
+            return conn.execute(q).scalar()
 
     def get_session(self, session_id: str) -> dict:
         with self.engine.connect() as conn:
@@ -161,8 +219,7 @@ class SessionStore:
 
     # ------------------------------------------------------------------ messages
 
-    def _append(self, conn: Connection, session_id: str, role: str, content: str, name: str | None = None,
-                pinned: bool = False, turn: int | None = None, pins: dict | None = None) -> dict:
+    def _append(self, conn: Connection, session_id: str, new: _NewMessage) -> dict:
         """Append one message to the hash chain inside the caller's transaction."""
         sess = conn.execute(select(schema.sessions.c.head_hash).where(schema.sessions.c.id == session_id)
                             .with_for_update()).first()
@@ -170,19 +227,26 @@ class SessionStore:
             raise StoreError(f"session_id={session_id!r}: no such session")
         seq = conn.execute(select(func.coalesce(func.max(schema.messages.c.seq), 0))
                            .where(schema.messages.c.session_id == session_id)).scalar() + 1
-        digest = message_hash(sess.head_hash, seq, role, name, content)
-        row = dict(session_id=session_id, seq=seq, role=role, name=name, content=content, pinned=pinned,
-                   status="active", turn=turn, pins=pins, prev_hash=sess.head_hash, hash=digest, created_at=_now())
+        digest = message_hash(sess.head_hash, seq, new.role, new.name, new.content)
+        row = dict(session_id=session_id, seq=seq, role=new.role, name=new.name, content=new.content,
+                   pinned=new.pinned, status="active", turn=new.turn, token_count=new.token_count, pins=new.pins,
+                   prev_hash=sess.head_hash, hash=digest, created_at=_now())
         conn.execute(insert(schema.messages).values(**row))
         conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
                      .values(head_hash=digest, updated_at=row["created_at"]))
         return row
 
     def add_message(self, session_id: str, role: str, content: str, name: str | None = None,
-                    pinned: bool = False, pins: dict | None = None) -> dict:
-        """Commit one message (system, document, ...) outside a turn; ``pins``: its pinned character ranges."""
+                    pinned: bool = False, *, token_count: int | None = None, pins: dict | None = None) -> dict:
+        """Commit one message (system, document, ...) outside a turn.
+
+        ``token_count``: the content's tokens, counted once by the caller (see :meth:`content_tokens`);
+        ``pins``: its pinned character ranges, found once by the caller.
+        """
+        _check_count("token_count", token_count)
         with self.engine.begin() as conn:
-            return self._append(conn, session_id, role, content, name, pinned, pins=pins)
+            return self._append(conn, session_id, _NewMessage(role, content, name, pinned, token_count=token_count,
+                                                              pins=pins))
 
     def messages(self, session_id: str, include_abandoned: bool = True) -> list[dict]:
         q = select(schema.messages).where(schema.messages.c.session_id == session_id).order_by(schema.messages.c.seq)
@@ -191,26 +255,78 @@ class SessionStore:
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
+    # ------------------------------------------------------------------ token counts (admission)
+
+    def content_tokens(self, session_id: str) -> int:
+        """Sum of the stored ``token_count`` of the session's active messages (one query; 0 when empty).
+
+        Messages stored without a count (rows written before migration m002, or by a caller without a counter)
+        add nothing: find them with :meth:`messages_without_count` and store their counts with
+        :meth:`set_token_counts` first.
+        """
+        m = schema.messages.c
+        q = (select(func.coalesce(func.sum(m.token_count), 0))
+             .where(m.session_id == session_id, m.status == "active"))
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar())
+
+    def messages_without_count(self, session_id: str) -> dict[int, str]:
+        """``{seq: content}`` of the session's active messages that have no ``token_count`` yet."""
+        m = schema.messages.c
+        q = (select(m.seq, m.content)
+             .where(m.session_id == session_id, m.status == "active", m.token_count.is_(None))
+             .order_by(m.seq))
+        with self.engine.connect() as conn:
+            return {row.seq: row.content for row in conn.execute(q)}
+
+    def set_token_counts(self, session_id: str, counts: Mapping[int, int]) -> int:
+        """Store ``{seq: token count}`` on messages that have none yet; returns how many rows were set.
+
+        A message that already has a count keeps it: counts are written once, so two workers backfilling the
+        same legacy session at once write the same values and neither overwrites a count taken at commit.
+        """
+        m = schema.messages.c
+        for seq, n in counts.items():
+            _check_count(f"counts[{seq}]", n)
+        done = 0
+        with self.engine.begin() as conn:
+            for seq, n in counts.items():
+                done += conn.execute(update(schema.messages)
+                                     .where(m.session_id == session_id, m.seq == seq, m.token_count.is_(None))
+                                     .values(token_count=n)).rowcount
+        return done
+
     # ------------------------------------------------------------------ turns (write-ahead)
 
     def begin_turn(self, session_id: str, content: str, name: str | None, policy_sha256: str, model_id: str,
-                   generation: dict, seed: int | None, role: str = "user", pins: dict | None = None
-                   ) -> tuple[int, dict]:
-        """Write-ahead: commit the user (or tool) message and a pending turn record, before any compute."""
+                   generation: dict, seed: int | None, role: str = "user", *,
+                   token_count: int | None = None, pins: dict | None = None) -> tuple[int, dict]:
+        """Write-ahead: commit the user (or tool) message and a pending turn record, before any compute.
+
+        ``token_count``: the message content's tokens, counted once by the caller.
+        """
+        _check_count("token_count", token_count)
         with self.engine.begin() as conn:
             turn = conn.execute(select(func.coalesce(func.max(schema.turns.c.turn), 0))
                                 .where(schema.turns.c.session_id == session_id)).scalar() + 1
-            msg = self._append(conn, session_id, role, content, name, turn=turn, pins=pins)
+            msg = self._append(conn, session_id, _NewMessage(role, content, name, turn=turn, token_count=token_count,
+                                                                      pins=pins))
             conn.execute(insert(schema.turns).values(
                 session_id=session_id, turn=turn, status="pending", user_seq=msg["seq"], policy_sha256=policy_sha256,
                 model_id=model_id, generation=generation, seed=seed, created_at=_now()))
         return turn, msg
 
     def finish_turn(self, session_id: str, turn: int, reply: str, record: dict, events: list[tuple[str, dict]],
-                    spans: dict[int, tuple[int, int]], pins: dict | None = None) -> dict:
-        """Atomically: the assistant message, the turn record, its events and the messages' token spans."""
+                    spans: dict[int, tuple[int, int]], *, token_count: int | None = None,
+                    pins: dict | None = None) -> dict:
+        """Atomically: the assistant message, the turn record, its events and the messages' token spans.
+
+        ``token_count``: the reply content's tokens (as stored, before any stop-string cut), counted once.
+        """
+        _check_count("token_count", token_count)
         with self.engine.begin() as conn:
-            msg = self._append(conn, session_id, "assistant", reply, turn=turn, pins=pins)
+            msg = self._append(conn, session_id, _NewMessage("assistant", reply, turn=turn, token_count=token_count,
+                                                                      pins=pins))
             conn.execute(update(schema.turns).where(schema.turns.c.session_id == session_id,
                                                     schema.turns.c.turn == turn)
                          .values(status="done", assistant_seq=msg["seq"], finished_at=_now(), **record))

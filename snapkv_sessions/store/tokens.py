@@ -11,7 +11,9 @@ other post-processor tokens are added.
 What the tiktoken path checks when it is built, falling back otherwise: a BPE model without dropout or subword
 affixes over a byte-level vocabulary; merge results whose ids never decrease in merge order; a normalizer that is
 absent or NFC; a pre-tokenizer of one of the shapes listed in :func:`_parse_pre_tokenizer` whose regex leaves no
-text unmatched; added tokens without lstrip/rstrip/single_word. What it assumes without checking (too costly at
+text unmatched; added tokens without lstrip/rstrip/single_word. Text holding a byte the vocabulary has no token for
+(SmolLM2 lacks a few control and non-UTF-8 bytes) is encoded by ``tokenizers`` instead, since tiktoken cannot drop
+bytes the way ``tokenizers`` does; ordinary text never touches that path. What it assumes without checking (too costly at
 load time, tested instead): each merge result encodes to itself, as in every trained or tiktoken-converted
 vocabulary. Remaining differences come from Unicode data versions (Python's ``unicodedata`` for NFC, the regex
 engines' ``\p{L}``/``\p{N}`` tables) and touch only recently assigned or exotic characters.
@@ -61,6 +63,11 @@ class Unsupported(ValueError):
     """The tokenizer cannot be reproduced exactly with tiktoken; the message says why."""
 
 
+class _NeedsTokenizers(Exception):
+    """Raised inside a tiktoken encode when a piece holds a byte without a token; the caller re-encodes the whole
+    text with ``tokenizers``, which is exact by definition."""
+
+
 class TokenCounter:
     """Counts/encodes text like the model's tokenizer, without torch.
 
@@ -84,8 +91,7 @@ class TokenCounter:
         self.path = path
         self.backend = backend
         self.fallback_reason = fallback_reason
-        self._spec = spec if backend != "tiktoken" else None  # only the fallback needs it; it is large
-        self._hf: dict[bool, Any] = {}  # allow_special -> tokenizers.Tokenizer, built lazily
+        self._hf: dict[bool, Any] = {}  # allow_special -> tokenizers.Tokenizer, built lazily from self.path
         if backend == "tiktoken":
             self._setup_tiktoken(spec)
 
@@ -144,7 +150,7 @@ class TokenCounter:
         self._ranks = ranks = _mergeable_ranks(model)
         # Byte tokens a vocabulary lacks (SmolLM2 has 235 of 256: no 0xC0, 0xF5.., some control characters) are
         # dropped by `tokenizers` inside each pre-token, after which their neighbours may still merge. tiktoken
-        # cannot express that, so text holding such bytes takes a slower, pure-Python path (see _encode_chunk).
+        # cannot express that, so text holding such bytes is handed to `tokenizers` (see _encode_chunk).
         self._missing = bytes(b for b in range(256) if bytes([b]) not in ranks)
         if self._missing and (model.get("unk_token") is not None or model.get("byte_fallback")):
             raise Unsupported("byte tokens are missing and the BPE maps unknown bytes to unk/byte-fallback tokens")
@@ -153,7 +159,6 @@ class TokenCounter:
             self._enc = tiktoken.Encoding(
                 name=f"hf-bpe:{self.path}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
             )
-            self._pre = regex.compile(pattern)
         except Exception as exc:  # tiktoken's regex engine rejects some patterns other engines accept
             raise Unsupported(f"tiktoken cannot build this encoding: {exc}") from exc
         # `tokenizers` keeps text its Split regex does not match as extra pieces; tiktoken silently drops it.
@@ -188,8 +193,15 @@ class TokenCounter:
         -------
         list of int
         """
-        if self.backend != "tiktoken":
-            return self._hf_tokenizer(allow_special).encode(text, add_special_tokens=False).ids
+        if self.backend == "tiktoken":
+            try:
+                return self._encode_tiktoken(text, allow_special)
+            except _NeedsTokenizers:
+                pass
+        return self._hf_tokenizer(allow_special).encode(text, add_special_tokens=False).ids
+
+    def _encode_tiktoken(self, text: str, allow_special: bool) -> list[int]:
+        """The tiktoken path of :meth:`encode`; raises :class:`_NeedsTokenizers` on a byte without a token."""
         ids: list[int] = []
         # `tokenizers` order: added tokens marked normalized=False are cut out of the raw text; each remaining
         # segment is normalized on its own, then normalized=True added tokens are cut out of it; the rest is
@@ -242,14 +254,10 @@ class TokenCounter:
 
     def _encode_chunk(self, text: str, out: list[int]) -> None:
         """Pre-tokenize and BPE one run of text (no added tokens, already normalized)."""
-        if self._missing_re is None or not self._has_missing(text.encode("utf-8", "surrogatepass")):
-            out.extend(self._enc.encode_ordinary(text))
-            return
-        # Rare slow path: split like tiktoken would, drop the bytes that have no token, BPE what is left.
-        for m in self._pre.finditer(text):
-            piece = m.group().encode("utf-8", "surrogatepass").translate(None, self._missing)
-            if piece:
-                out.extend(_bpe(piece, self._ranks))
+        # Checked per chunk, after normalization: NFC can compose characters whose bytes the raw text lacked.
+        if self._has_missing(text.encode("utf-8", "surrogatepass")):
+            raise _NeedsTokenizers
+        out.extend(self._enc.encode_ordinary(text))
 
     def _has_missing(self, data: bytes) -> bool:
         return self._missing_re is not None and self._missing_re.search(data) is not None
@@ -259,7 +267,7 @@ class TokenCounter:
         if tok is None:
             from tokenizers import Tokenizer  # Rust library, no torch; only the fallback needs it
 
-            tok = Tokenizer.from_str(json.dumps(self._spec))
+            tok = Tokenizer.from_file(str(self.path))
             tok.encode_special_tokens = not allow_special
             self._hf[allow_special] = tok
         return tok
@@ -356,23 +364,6 @@ def _mergeable_ranks(model: dict[str, Any]) -> dict[bytes, int]:
         last = token
         ranks[as_bytes[merged]] = token
     return ranks
-
-
-def _bpe(piece: bytes, ranks: dict[bytes, int]) -> list[int]:
-    """tiktoken's byte-pair encoding of one pre-token: a whole-token shortcut, then lowest-rank-leftmost merges."""
-    if piece in ranks:
-        return [ranks[piece]]
-    parts = [piece[i : i + 1] for i in range(len(piece))]
-    while len(parts) > 1:
-        best_rank, best_i = None, -1
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and (best_rank is None or rank < best_rank):
-                best_rank, best_i = rank, i
-        if best_rank is None:
-            break
-        parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
-    return [ranks[p] for p in parts]
 
 
 _AddedMatcher = tuple[re.Pattern[str], dict[str, int], frozenset[str]] | None
