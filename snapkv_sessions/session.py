@@ -12,24 +12,19 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from .admission import Admission, AdmissionError
 from .chat import Message, MessagePins
 from .drift import Assessment, DriftMonitor, decide
 from .errors import ConfigError
-from .generation import GenerationConfig
+from .generation import GenerationConfig, TextStream
 from .models import runner_for
 from .policy import Policy
 from .report import CompressionReport
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
 from .store.blobs import pack_positions
-from .store.tokens import TokenCounter
 from .transcript import Transcript, TurnContext, TurnPlan
-
-
-class AdmissionError(ConfigError):
-    """A message would exceed a policy limit; nothing was stored and no model work was done."""
 
 
 @dataclass
@@ -49,15 +44,6 @@ class Reply:
     report: CompressionReport | None
     stop_reason: str
     events: list[tuple[str, dict]] = field(default_factory=list)
-
-
-def _counter_for(tokenizer) -> TokenCounter | None:
-    """The torch-free counter built from the model's tokenizer.json, when the tokenizer came from a folder."""
-    folder = Path(str(getattr(tokenizer, "name_or_path", "")))
-    try:
-        return TokenCounter.from_model_dir(folder)
-    except (FileNotFoundError, OSError, ValueError):
-        return None
 
 
 @dataclass(frozen=True)
@@ -88,7 +74,8 @@ class Session:
         self.model_id, self.on_pending = model_id, on_pending
         self.tokenizer = runner.tokenizer
         self.transcript = Transcript(self.tokenizer, policy.pins)
-        self.counter = _counter_for(self.tokenizer)
+        self.admission = Admission(policy.limits, store, session_id, self.tokenizer)
+        self.counter = self.admission.counter
         self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
                                   subjects=policy.drift.new_subject)
         self.recovered: Reply | None = None
@@ -97,16 +84,17 @@ class Session:
     @classmethod
     def create(cls, model, policy: str | dict | Policy | None = None, store: SessionStore | str | None = None,
                system: str | None = None, title: str | None = None, redis_url: str | None = None,
-               history: list | None = None) -> Session:
+               history: list | None = None, thread_id: str | None = None) -> Session:
         """A new session. ``model``: bundle/hub name, folder, ``(model, tokenizer)`` or a ModelRunner.
 
         ``history`` (messages of any role, OpenAI-style dicts accepted) is committed before the first turn, as
-        if the conversation had happened; the first turn prefills it whole.
+        if the conversation had happened; the first turn prefills it whole. ``thread_id``: an agent framework's
+        thread (indexed: :meth:`SessionStore.session_for_thread` finds the session again).
         """
         policy = Policy.load(policy)
         store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
         runner, model_id = runner_for(model)
-        sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=title)
+        sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=title, thread_id=thread_id)
         session = cls(sid, store, runner, policy, model_id)
         if system is not None:
             session.add_message({"role": "system", "content": system})
@@ -161,11 +149,11 @@ class Session:
 
     def _commit(self, message: Message) -> int:
         """Admit ``message`` against the policy limits and append it, with its pins, under the session lock."""
-        self._admit(message)
+        n = self.admission.admit(message)
         with self.store.lock(self.id):
             pins = self._pins_of(message, self.messages())
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
-                                          pins=pins.to_json())["seq"]
+                                          token_count=n, pins=pins.to_json())["seq"]
 
     def _pins_of(self, message: Message, prefix: list[Message]) -> MessagePins:
         return self.transcript.message_pins(prefix, message)
@@ -185,24 +173,8 @@ class Session:
         return self.store.verify(self.id)
 
     def count_tokens(self, text: str) -> int:
-        """Content tokens of ``text`` (tiktoken over the model's own vocabulary; Hugging Face otherwise)."""
-        if self.counter is not None:
-            return self.counter.count(text)
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def _admit(self, message: Message) -> None:
-        limits = self.policy.limits
-        if limits.max_document_tokens is None and limits.max_session_tokens is None:
-            return
-        n = self.count_tokens(message.content)
-        if message.role == "document" and limits.max_document_tokens is not None and n > limits.max_document_tokens:
-            raise AdmissionError("limits.max_document_tokens", limits.max_document_tokens,
-                                 f"document {message.name!r} has {n} tokens")
-        if limits.max_session_tokens is not None:
-            total = n + sum(self.count_tokens(m.content) for m in self.messages())
-            if total > limits.max_session_tokens:
-                raise AdmissionError("limits.max_session_tokens", limits.max_session_tokens,
-                                     f"the session would hold {total} content tokens")
+        """Content tokens of ``text``, as admission counts them."""
+        return self.admission.count(text)
 
     # ------------------------------------------------------------------ turns
 
@@ -218,13 +190,13 @@ class Session:
         if message.role not in ("user", "tool"):
             raise ConfigError("msg.role", message.role, "a turn starts with a user or tool message")
         gen = GenerationConfig.from_call(generation)
-        self._admit(message)
+        n = self.admission.admit(message)
         with self.store.lock(self.id):
             self._sync()
             pins = self._pins_of(message, self.messages())
             turn, row = self.store.begin_turn(self.id, message.content, message.name, self.policy.sha256,
                                               self.model_id, gen.record(), gen.seed, role=message.role,
-                                              pins=pins.to_json())
+                                              token_count=n, pins=pins.to_json())
             yield from self._run(turn, row["seq"], gen)
 
     def _run(self, turn: int, user_seq: int, gen: GenerationConfig) -> Iterator[str]:
@@ -271,26 +243,23 @@ class Session:
             events.append(("reprefill", {"drift_score": assessment.score, "missing_terms": assessment.missing_terms,
                                          "tokens_reprefilled": len(plan.tokens),
                                          "ms": round((t_prefill - t_start) * 1e3, 2)}))
-        emitted = ""
-        for _ in run:
-            piece = self.tokenizer.decode(run.result.tokens, skip_special_tokens=True)
-            if not piece.endswith("\ufffd") and len(piece) > len(emitted):
-                yield piece[len(emitted):]
-                emitted = piece
+        text = TextStream(self.tokenizer, gen.stop)  # never shows text at or past a stop string
+        for tok in run:
+            if piece := text.push(tok):
+                yield piece
+        if rest := text.finish():  # yielded before the commit: closing the stream here abandons the turn cleanly
+            yield rest
         timings = {"prefill_ms": (t_prefill - t_start) * 1e3, "decode_ms": (time.perf_counter() - t_prefill) * 1e3}
-        self._finish(_Outcome(turn, user_seq, assessment, decision, events, timings), plan, run, msgs)
+        self._finish(_Outcome(turn, user_seq, assessment, decision, events, timings), plan, (run, text), msgs)
 
-    def _finish(self, out: _Outcome, plan: TurnPlan, run: TurnRun, msgs: list[Message]) -> None:
+    def _finish(self, out: _Outcome, plan: TurnPlan, reply: tuple[TurnRun, TextStream], msgs: list[Message]) -> None:
         """Commit the reply and the turn record atomically, then account for the reply in the transcript."""
+        run, text = reply
         state, result, report, turn = self.state, run.result, run.result.report, out.turn
         kept = [p[0].cpu().numpy() for p in result.kept] if result.kept is not None else None
         assistant_seq = out.user_seq + 1
         decode_tokens, pending = state.token_ids[result.prefill_end:], list(state.pending)
-        content = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
-        shown = content
-        for stop in run.gen.stop:
-            if stop in shown:
-                shown = shown[: shown.index(stop)]
+        content = text.content
         timings = {**out.timings, "compression_ms": report.total_ms if report else 0.0}
         roles = {m.seq: m.role for m in msgs}
         kept_per_role = self.transcript.kept_per_role(kept, result.prefill_end, roles) if kept is not None else {}
@@ -311,12 +280,12 @@ class Session:
         self.transcript.extend_reply(assistant_seq, decode_tokens + pending)
         pins = self._pins_of(Message(role="assistant", content=content), msgs)
         msg = self.store.finish_turn(self.id, turn, content, record, events, self.transcript.spans(),
-                                     pins=pins.to_json())
+                                     token_count=self.count_tokens(content), pins=pins.to_json())
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
         self.last_reply = Reply(
-            text=shown, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
+            text=text.text, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
             completion_tokens=len(result.tokens), context_tokens=state.next_position + len(pending),
             cache_tokens=state.cache_lengths(), kept_per_role=kept_per_role, timings=timings, report=report,
             stop_reason=result.stop_reason, events=events)
