@@ -29,13 +29,12 @@ class Admission:
 
     The session total is one SUM over the counts stored with the messages, so admitting a message costs one
     tokenizer call whatever the session's length. Messages stored before counts were (migration m002) are
-    counted once, on the first check, and their counts stored.
+    counted once, when a check finds them, and their counts stored.
     """
 
     def __init__(self, limits: LimitsPolicy, store: SessionStore, session_id: str, tokenizer) -> None:
         self.limits, self.store, self.session_id, self.tokenizer = limits, store, session_id, tokenizer
         self.counter = _counter_for(tokenizer)
-        self._backfilled = False
 
     def count(self, text: str) -> int:
         """Content tokens of ``text`` (tiktoken over the model's own vocabulary; ``tokenizers`` otherwise)."""
@@ -45,11 +44,10 @@ class Admission:
 
     def stored_tokens(self) -> int:
         """Content tokens of the session's active messages, from the stored counts."""
-        if not self._backfilled:
-            missing = self.store.messages_without_count(self.session_id)
-            if missing:
-                self.store.set_token_counts(self.session_id, {seq: self.count(t) for seq, t in missing.items()})
-            self._backfilled = True
+        # checked every time: another worker (an older version, mid-upgrade) may store a message uncounted
+        missing = self.store.messages_without_count(self.session_id)
+        if missing:
+            self.store.set_token_counts(self.session_id, {seq: self.count(t) for seq, t in missing.items()})
         return self.store.content_tokens(self.session_id)
 
     def admit(self, message: Message) -> int:

@@ -259,11 +259,12 @@ def against_full(store: SessionStore, session_id: str, model=None) -> list[dict]
     sess = store.get_session(session_id)
     runner, _ = runner_for(model if model is not None else sess["model_id"])
     messages = store.messages(session_id, include_abandoned=False)
+    fresh = Transcript(runner.tokenizer, PinPolicy())  # never advanced: every plan renders from the start
     rows = []
     for rec in store.turns(session_id, status="done"):
         history = [Message(m["role"], m["content"], m["name"], m["pinned"], m["seq"]) for m in messages
                    if m["seq"] <= rec["user_seq"]]
-        plan = Transcript(runner.tokenizer, PinPolicy()).plan(history, TurnContext(user_seq=rec["user_seq"]))
+        plan = fresh.plan(history, TurnContext(user_seq=rec["user_seq"]))
         state = runner.new_state()
         result = runner.run(state, replace(plan, window=None), None, GenerationConfig.from_record(
             {k: v for k, v in (rec["generation"] or {}).items() if v is not None})).finish()

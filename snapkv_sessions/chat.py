@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -47,21 +48,27 @@ class TemplateError(ConfigError):
 class MessagePins:
     """Pinned character ranges of one message's rendered span, computed once when the message is committed.
 
-    ``span`` is the length of the rendered span they were found in; a span that renders differently later
-    (it never should: the template is checked to be prefix-stable) is searched again.
+    ``span`` identifies the rendered span they were found in; a span that renders differently at plan time
+    (a message before it was abandoned, or a template that numbers messages) is searched again.
     """
 
-    span: int
+    span: str  # sha256 (first 16 hex digits) of the rendered span the ranges were found in
     ranges: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def digest(span_text: str) -> str:
+        return hashlib.sha256(span_text.encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
         return {"span": self.span, "ranges": [list(r) for r in self.ranges]}
 
     @classmethod
     def from_json(cls, data: dict | None) -> MessagePins | None:
-        if not isinstance(data, dict):
+        """Stored pins, or None (not stored, or not in this form: the plan then searches the span again)."""
+        try:
+            return cls(str(data["span"]), tuple((int(a), int(b)) for a, b in data["ranges"]))
+        except (TypeError, KeyError, ValueError):
             return None
-        return cls(int(data["span"]), tuple((int(a), int(b)) for a, b in data["ranges"]))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ its own question). The drift score is the largest of the signals (a miss or a ne
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -275,11 +276,13 @@ class DriftMonitor:
         return Assessment(round(score, 4), None if emb is None else round(emb, 4), missing, fresh)
 
 
-def decide(assessment: Assessment, policy: Policy, evicted: bool, prior_reprefills: list[int], turn: int) -> str:
+def decide(assessment: Assessment, policy: Policy, evicted: bool, prior_reprefills: Callable[[], list[int]],
+           turn: int) -> str:
     """What a turn does about drift: kept | reprefill | warn | ignored | limited | n/a.
 
     ``evicted``: the cache lost something (else a re-prefill would rebuild the same cache);
-    ``prior_reprefills``: the turns that re-prefilled before, in order (``recovery`` limits).
+    ``prior_reprefills()``: the turns that re-prefilled before, in order (``recovery`` limits), read only when
+    a re-prefill is otherwise due.
     """
     if assessment.score is None:
         return "n/a"
@@ -287,9 +290,9 @@ def decide(assessment: Assessment, policy: Policy, evicted: bool, prior_reprefil
         return "kept"
     if policy.drift.action != "reprefill":
         return "warn" if policy.drift.action == "warn" else "ignored"
-    recovery = policy.recovery
-    if recovery.max_reprefills is not None and len(prior_reprefills) >= recovery.max_reprefills:
+    recovery, prior = policy.recovery, prior_reprefills()
+    if recovery.max_reprefills is not None and len(prior) >= recovery.max_reprefills:
         return "limited"
-    if prior_reprefills and turn - prior_reprefills[-1] < recovery.min_turns_between:
+    if prior and turn - prior[-1] < recovery.min_turns_between:
         return "limited"
     return "reprefill"

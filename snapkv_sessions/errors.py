@@ -41,3 +41,7 @@ class BudgetError(ConfigError):
 
 class ModelResolveError(SnapKVError, RuntimeError):
     """A model name, path or bundle could not be resolved into a loadable folder."""
+
+
+class PlanError(SnapKVError, LookupError):
+    """A recorded turn plan does not match the stored messages (they were altered), or has no plan."""

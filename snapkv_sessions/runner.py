@@ -393,14 +393,13 @@ class ModelRunner:
                               f"{state.next_position + len(state.pending)}")
         t0 = time.perf_counter()
         logits, probe = self.prefill(state, plan.tokens, pinned=plan.pinned_flags(), window=plan.window)
-        result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=0.0, decode_ms=0.0,
-                            prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
+        result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=(time.perf_counter() - t0) * 1e3,
+                            decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
         if probe is not None:
             protect = self._protect_mask(state, plan, compression, probe.window)
             result.report = self.compress(state, compression, probe, protect)
             result.protect_applied = protect is not None
             result.kept = list(state.positions)  # decode rebinds positions[l], so these stay as compressed
-        result.prefill_ms = (time.perf_counter() - t0) * 1e3
         return TurnRun(self, state, logits, gen, forced, result)
 
     def _protect_mask(self, state: KVState, plan: TurnPlan, cfg: CompressionConfig, window: int) -> torch.Tensor | None:

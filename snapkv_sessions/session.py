@@ -11,51 +11,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 from .admission import Admission, AdmissionError
-from .chat import Message, MessagePins
+from .chat import Message, MessagePins, TemplateError
 from .drift import Assessment, DriftMonitor, decide
 from .errors import ConfigError
 from .generation import GenerationConfig, TextStream
 from .models import runner_for
 from .policy import Policy
-from .report import CompressionReport
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
-from .store.blobs import pack_positions
 from .transcript import Transcript, TurnContext, TurnPlan
+from .turn import Reply, TurnOutcome
 
 
-@dataclass
-class Reply:
-    """What one turn produced."""
+class SessionOptions(TypedDict, total=False):
+    """Options of :meth:`Session.create`.
 
-    text: str
-    turn: int
-    session_id: str
-    token_ids: list[int]
-    prompt_tokens: int
-    completion_tokens: int
-    context_tokens: int
-    cache_tokens: list[int]
-    kept_per_role: dict[str, float]
-    timings: dict[str, float]
-    report: CompressionReport | None
-    stop_reason: str
-    events: list[tuple[str, dict]] = field(default_factory=list)
+    system: the system message. title: shown by ``sessions list``. redis_url: Redis for hot state and locks,
+    when ``store`` is a URL. history: messages of any role (OpenAI-style dicts accepted) committed before the
+    first turn, as if the conversation had happened; the first turn prefills it whole. thread_id: an agent
+    framework's thread (indexed: :meth:`SessionStore.session_for_thread` finds the session again).
+    """
 
-
-@dataclass(frozen=True)
-class _Outcome:
-    """A live turn's bookkeeping beside its plan and run: drift, events, timings."""
-
-    turn: int
-    user_seq: int
-    assessment: Assessment
-    decision: str
-    events: list[tuple[str, dict]]
-    timings: dict[str, float]
+    system: str | None
+    title: str | None
+    redis_url: str | None
+    history: list | None
+    thread_id: str | None
 
 
 class Session:
@@ -83,23 +67,29 @@ class Session:
 
     @classmethod
     def create(cls, model, policy: str | dict | Policy | None = None, store: SessionStore | str | None = None,
-               system: str | None = None, title: str | None = None, redis_url: str | None = None,
-               history: list | None = None, thread_id: str | None = None) -> Session:
-        """A new session. ``model``: bundle/hub name, folder, ``(model, tokenizer)`` or a ModelRunner.
-
-        ``history`` (messages of any role, OpenAI-style dicts accepted) is committed before the first turn, as
-        if the conversation had happened; the first turn prefills it whole. ``thread_id``: an agent framework's
-        thread (indexed: :meth:`SessionStore.session_for_thread` finds the session again).
-        """
+               **options: Unpack[SessionOptions]) -> Session:
+        """A new session. ``model``: bundle/hub name, folder, ``(model, tokenizer)`` or a ModelRunner; the
+        options are :class:`SessionOptions`."""
+        unknown = sorted(set(options) - set(SessionOptions.__annotations__))
+        if unknown:
+            known = list(SessionOptions.__annotations__)
+            raise ConfigError(unknown[0], options[unknown[0]], f"is not a Session option (one of {known})")
         policy = Policy.load(policy)
-        store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
+        if not isinstance(store, SessionStore):
+            store = SessionStore(store, redis_url=options.get("redis_url"))
         runner, model_id = runner_for(model)
-        sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=title, thread_id=thread_id)
+        system = options.get("system")
+        first = [Message.coerce({"role": "system", "content": system})] if system is not None else []
+        first += [Message.coerce(m) for m in options.get("history") or []]  # all checked before anything is stored
+        sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=options.get("title"),
+                                   thread_id=options.get("thread_id"))
         session = cls(sid, store, runner, policy, model_id)
-        if system is not None:
-            session.add_message({"role": "system", "content": system})
-        for msg in history or []:
-            session.add_history(msg)
+        try:
+            for message in first:
+                session._commit(message)
+        except BaseException:  # over a limit, or interrupted: no half-created session
+            store.delete_session(sid)
+            raise
         return session
 
     @classmethod
@@ -151,12 +141,9 @@ class Session:
         """Admit ``message`` against the policy limits and append it, with its pins, under the session lock."""
         n = self.admission.admit(message)
         with self.store.lock(self.id):
-            pins = self._pins_of(message, self.messages())
+            pins = self.transcript.message_pins(self.messages(), message)
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
                                           token_count=n, pins=pins.to_json())["seq"]
-
-    def _pins_of(self, message: Message, prefix: list[Message]) -> MessagePins:
-        return self.transcript.message_pins(prefix, message)
 
     def add_document(self, text: str, name: str | None = None, pinned: bool = False) -> int:
         """Commit a document; it enters the cache with the next turn (pinned documents are never evicted)."""
@@ -193,7 +180,7 @@ class Session:
         n = self.admission.admit(message)
         with self.store.lock(self.id):
             self._sync()
-            pins = self._pins_of(message, self.messages())
+            pins = self.transcript.message_pins(self.messages(), message)
             turn, row = self.store.begin_turn(self.id, message.content, message.name, self.policy.sha256,
                                               self.model_id, gen.record(), gen.seed, role=message.role,
                                               token_count=n, pins=pins.to_json())
@@ -230,9 +217,8 @@ class Session:
         t_start = time.perf_counter()
         msgs = self.messages()
         assessment = self._assess(next(m.content for m in msgs if m.seq == user_seq))
-        prior = [t["turn"] for t in self.store.turns(self.id, status="done") if t["drift_decision"] == "reprefill"]
         evicted = any(n != self.state.next_position for n in self.state.cache_lengths())
-        decision = decide(assessment, self.policy, evicted, prior, turn)
+        decision = decide(assessment, self.policy, evicted, self._prior_reprefills, turn)
         events: list[tuple[str, dict]] = []
         if assessment.score is not None:
             events.append(("drift", {**assessment.to_dict(), "decision": decision}))
@@ -250,9 +236,9 @@ class Session:
         if rest := text.finish():  # yielded before the commit: closing the stream here abandons the turn cleanly
             yield rest
         timings = {"prefill_ms": (t_prefill - t_start) * 1e3, "decode_ms": (time.perf_counter() - t_prefill) * 1e3}
-        self._finish(_Outcome(turn, user_seq, assessment, decision, events, timings), plan, (run, text), msgs)
+        self._finish(TurnOutcome(turn, user_seq, assessment, decision, events, timings), plan, (run, text), msgs)
 
-    def _finish(self, out: _Outcome, plan: TurnPlan, reply: tuple[TurnRun, TextStream], msgs: list[Message]) -> None:
+    def _finish(self, out: TurnOutcome, plan: TurnPlan, reply: tuple[TurnRun, TextStream], msgs: list[Message]) -> None:
         """Commit the reply and the turn record atomically, then account for the reply in the transcript."""
         run, text = reply
         state, result, report, turn = self.state, run.result, run.result.report, out.turn
@@ -260,35 +246,30 @@ class Session:
         assistant_seq = out.user_seq + 1
         decode_tokens, pending = state.token_ids[result.prefill_end:], list(state.pending)
         content = text.content
-        timings = {**out.timings, "compression_ms": report.total_ms if report else 0.0}
+        out.timings["compression_ms"] = report.total_ms if report else 0.0
         roles = {m.seq: m.role for m in msgs}
         kept_per_role = self.transcript.kept_per_role(kept, result.prefill_end, roles) if kept is not None else {}
-        segments = plan.to_record()
-        if result.protect_applied is not None:
-            segments["protect_applied"] = result.protect_applied
-        record = {
-            "prefill_tokens": list(plan.tokens), "decode_tokens": decode_tokens, "pending_tokens": pending,
-            "segments": segments, "tokens_in": len(plan.tokens), "tokens_out": len(result.tokens),
-            "kept_per_role": kept_per_role, "retention": report.retention() if report else None,
-            "kept_positions": pack_positions(kept) if kept is not None else None,
-            "compression": report.to_dict() if report else None, "drift_score": out.assessment.score,
-            "drift_decision": out.decision, "timings": timings, "stop_reason": result.stop_reason,
-        }
-        events = list(out.events)
-        if report and report.compressed:
-            events.append(("compression", {k: v for k, v in report.to_dict().items() if k not in ("kept", "kept_new")}))
+        record = out.record(plan, result, (decode_tokens, pending), kept, kept_per_role)
+        events = out.all_events(report)
         self.transcript.extend_reply(assistant_seq, decode_tokens + pending)
-        pins = self._pins_of(Message(role="assistant", content=content), msgs)
+        try:
+            pins = self.transcript.message_pins(msgs, Message(role="assistant", content=content)).to_json()
+        except TemplateError:  # the reply is kept all the same; its pins are searched for when it is planned
+            pins = None
         msg = self.store.finish_turn(self.id, turn, content, record, events, self.transcript.spans(),
-                                     token_count=self.count_tokens(content), pins=pins.to_json())
+                                     token_count=self.count_tokens(content), pins=pins)
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
         self.last_reply = Reply(
             text=text.text, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
             completion_tokens=len(result.tokens), context_tokens=state.next_position + len(pending),
-            cache_tokens=state.cache_lengths(), kept_per_role=kept_per_role, timings=timings, report=report,
+            cache_tokens=state.cache_lengths(), kept_per_role=kept_per_role, timings=out.timings, report=report,
             stop_reason=result.stop_reason, events=events)
+
+    def _prior_reprefills(self) -> list[int]:
+        """Turns that re-prefilled, in order (read only when a re-prefill is being decided)."""
+        return [t["turn"] for t in self.store.turns(self.id, status="done") if t["drift_decision"] == "reprefill"]
 
     def _assess(self, query: str) -> Assessment:
         if not self.state.positions:
@@ -300,9 +281,13 @@ class Session:
 
     def _sync(self) -> None:
         """Bring the cache up to the store: replay done turns not applied here; resolve a pending one."""
-        for rec in self.store.turns(self.id, status="done"):
-            if rec["turn"] > self.turns_applied:
-                self._replay(rec)
+        try:
+            for rec in self.store.turns(self.id, status="done"):
+                if rec["turn"] > self.turns_applied:
+                    self._replay(rec)
+        except BaseException:  # a half-replayed turn: rebuild from the start next time
+            self._reset()
+            raise
         pending = self.store.pending_turn(self.id)
         if pending is None:
             return

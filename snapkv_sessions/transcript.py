@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .chat import ChatFormatter, Message, MessagePins, TemplateError
+from .errors import PlanError
 from .policy import ROLES, PinPolicy
-from .store import StoreError
 
 Range = tuple[int, int]  # [start, end) true positions (or characters, for message pins)
 Run = tuple[int, int, int]  # (message seq, start, end): the positions [start, end) belong to message seq
@@ -116,11 +116,16 @@ class TurnPlan:
 
     @classmethod
     def from_record(cls, record: dict, tokens: Sequence[int]) -> TurnPlan:
-        """The plan a turn record stores (``segments`` and ``prefill_tokens``)."""
-        if not isinstance(record, dict) or not record.get("owners"):
-            raise StoreError(f"segments={str(record)[:80]!r}: a turn record without its plan")
-        owners = tuple((int(s), int(a), int(b)) for s, a, b in record["owners"])
-        return cls(tokens=tuple(int(t) for t in tokens), first_position=owners[-1][2] - len(tokens), owners=owners,
+        """The plan a turn record stores (``segments`` and ``prefill_tokens``).
+
+        Records written before the owners were stored have none: such a plan has ``owners=()`` and
+        ``first_position=-1``, and :meth:`Transcript.attach` fills both in from the stored messages.
+        """
+        if not isinstance(record, dict):
+            raise PlanError(f"segments={str(record)[:80]!r}: a turn record without its plan")
+        owners = tuple((int(s), int(a), int(b)) for s, a, b in record.get("owners") or [])
+        first = owners[-1][2] - len(tokens) if owners else -1
+        return cls(tokens=tuple(int(t) for t in tokens), first_position=first, owners=owners,
                    pinned=tuple((int(a), int(b)) for a, b in record.get("pinned") or []),
                    protect=tuple((int(a), int(b)) for a, b in record.get("protect") or []),
                    window=record.get("window"), reprefill=bool(record.get("reprefill")))
@@ -168,18 +173,23 @@ class Transcript:
 
     def message_pins(self, prefix: list[Message], message: Message) -> MessagePins:
         """Pins of ``message`` rendered after ``prefix`` (the active messages before it)."""
+        if not (self.pin_policy.markers or self.pin_policy.patterns):
+            return MessagePins("", ())  # nothing to search for: no render needed
         text, spans = self.formatter.render([*prefix, message], generation_prompt=False)
         _, start, end = spans[-1]
-        return MessagePins(end - start, find_pins(text[start:end], self.pin_policy))
+        chunk = text[start:end]
+        return MessagePins(MessagePins.digest(chunk), find_pins(chunk, self.pin_policy))
 
-    def _hits(self, msgs: list[Message], spans, base: int) -> list[Range]:
+    def _hits(self, msgs: list[Message], text: str, spans, base: int) -> list[Range]:
         """Absolute pinned character ranges of the messages rendered at or after character ``base``."""
         hits: list[Range] = []
+        if not (self.pin_policy.markers or self.pin_policy.patterns):
+            return hits
         for i, (seq, start, end) in enumerate(spans):
             if seq is None or end <= base:
                 continue
             pins = msgs[i].pins
-            if pins is None or pins.span != end - start:
+            if pins is None or pins.span != MessagePins.digest(text[start:end]):
                 pins = self.message_pins(msgs[:i], msgs[i])
             hits += [(start + a, start + b) for a, b in pins.ranges]
         return hits
@@ -205,7 +215,7 @@ class Transcript:
             seq, a, b = spans[max(0, bisect.bisect_right(starts, start) - 1)]
             owners.append(seq if seq is not None and a <= start < b else ctx.user_seq + 1)  # the reply's prompt
         roles = {m.seq: m for m in msgs}
-        hits = self._hits(msgs, spans, base)
+        hits = self._hits(msgs, text, spans, base)
         pins = self.pin_policy
         pinned = [(o in roles and (roles[o].role in pins.roles or roles[o].pinned)) or first + i < pins.sink_tokens
                   or any(s < end and start < e for s, e in hits)
@@ -226,8 +236,10 @@ class Transcript:
             return plan
         again = self.plan(msgs, ctx)
         if again.tokens != plan.tokens:
-            raise StoreError(f"turn plan at position {plan.first_position}: the stored messages no longer render "
-                             "to the recorded prefill tokens")
+            raise PlanError(f"turn plan at position {again.first_position}: the stored messages no longer render "
+                            "to the recorded prefill tokens")
+        if not plan.owners:  # a legacy record: where it starts and who owns what come from the re-plan
+            return replace(plan, first_position=again.first_position, owners=again.owners, render=again.render)
         return replace(plan, render=again.render)
 
     # ------------------------------------------------------------------ advancing

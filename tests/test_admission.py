@@ -40,13 +40,12 @@ def test_every_message_is_counted_once_at_commit(smollm2, tmp_path):
     assert rows[-1]["content"] == session.tokenizer.decode(reply.token_ids, skip_special_tokens=True)
 
     calls: list[str] = []
-    counter = session.counter
-    session.counter = None  # count through a spy, on the Hugging Face path
-    real = session.count_tokens
-    session.count_tokens = lambda text: calls.append(text) or real(text)
-    session.add_message({"role": "developer", "content": "Rule: be brief."})
-    assert calls == ["Rule: be brief."]  # the new message only: the stored ones are summed in SQL
-    session.counter = counter
+    real = session.admission.count  # every count admission takes goes through here (tiktoken or tokenizers)
+    session.admission.count = lambda text: calls.append(text) or real(text)
+    for i in range(5):  # the session grows; admitting one more message still counts that message alone
+        calls.clear()
+        session.add_message({"role": "developer", "content": f"Rule {i}: be brief."})
+        assert calls == [f"Rule {i}: be brief."]  # the stored ones are summed in SQL
 
 
 def test_session_limit_sums_stored_counts_and_refuses_before_storing(smollm2, tmp_path):

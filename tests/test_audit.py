@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from sqlalchemy import update
 
 from snapkv_sessions import Session, SessionStore, audit
-from snapkv_sessions import session as session_mod
+from snapkv_sessions import models as models_mod
 from snapkv_sessions.cli import main
 from snapkv_sessions.store import schema
 from snapkv_sessions.store.blobs import pack_positions, unpack_positions
@@ -102,7 +102,7 @@ def test_replay_errors_are_clean(tmp_path):
 @pytest.fixture
 def recorded(smollm2, tmp_path, monkeypatch):
     """A real 3-turn session (with one re-prefill) on SmolLM2, the model shared with the CLI."""
-    monkeypatch.setitem(session_mod._MODELS, "smollm2-135m-instruct", smollm2)
+    monkeypatch.setitem(models_mod._MODELS, "smollm2-135m-instruct", smollm2)
     db = f"sqlite:///{tmp_path / 'r.db'}"
     store = SessionStore(db)
     session = Session.create("smollm2-135m-instruct", policy=POLICY, store=store, system="Be brief.")

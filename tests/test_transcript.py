@@ -7,9 +7,9 @@ import torch
 
 from snapkv_sessions import Session, SessionStore
 from snapkv_sessions import transcript as transcript_mod
+from snapkv_sessions.errors import PlanError
 from snapkv_sessions.generation import GenerationConfig
 from snapkv_sessions.runner import ModelRunner
-from snapkv_sessions.store import StoreError
 from snapkv_sessions.transcript import TurnPlan, observation_window, to_ranges
 
 DOC = "\n".join(f"Parcel {1000 + i}: courier agent A{i * 7 % 13}, RULE {i}: fragile." for i in range(24))
@@ -28,8 +28,10 @@ def test_plan_record_round_trip_and_flags():
     assert again == plan and again.end_position == 14
     assert plan.pinned_flags() == [True, False, False, True]
     assert to_ranges([True, True, False, True], 10) == ((10, 12), (13, 14))
-    with pytest.raises(StoreError, match="without its plan"):
+    with pytest.raises(PlanError, match="without its plan"):
         TurnPlan.from_record(None, [1])
+    legacy = TurnPlan.from_record({"pinned": [], "protect": [], "window": 4, "reprefill": False}, [5, 6])
+    assert legacy.owners == () and legacy.first_position == -1  # filled in by Transcript.attach
 
 
 def test_one_window_rule():

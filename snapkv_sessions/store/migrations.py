@@ -48,7 +48,13 @@ MIGRATIONS: list[tuple[str, Callable[[Connection], None]]] = [
 
 
 def migrate(conn: Connection) -> list[str]:
-    """Apply the migrations not yet recorded; returns the names applied now."""
+    """Apply the migrations not yet recorded; returns the names applied now.
+
+    On PostgreSQL, workers starting together take turns (a transaction-level advisory lock), so a migration
+    never runs twice.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(7241900211)"))  # a fixed key: "snapkv migrations"
     _meta.create_all(conn)
     done = set(conn.execute(select(applied.c.name)).scalars())
     now = []

@@ -52,7 +52,7 @@ messages = Table(
     Column("token_start", Integer),
     Column("token_end", Integer),
     Column("token_count", Integer),  # content tokens, counted once at commit (admission sums them), m002
-    Column("pins", JSON),  # [[start, end), ...] pinned character ranges of the message's rendered span, m002
+    Column("pins", JSON(none_as_null=True)),  # MessagePins: pinned character ranges of its rendered span, m002
     Column("prev_hash", String(64), nullable=False),
     Column("hash", String(64), nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),

@@ -1,0 +1,68 @@
+"""What a turn produces: the :class:`Reply` a caller gets, and the record the turns table stores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .drift import Assessment
+from .report import CompressionReport
+from .runner import TurnResult
+from .store.blobs import pack_positions
+from .transcript import TurnPlan
+
+
+@dataclass
+class Reply:
+    """What one turn produced."""
+
+    text: str
+    turn: int
+    session_id: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    context_tokens: int
+    cache_tokens: list[int]
+    kept_per_role: dict[str, float]
+    timings: dict[str, float]
+    report: CompressionReport | None
+    stop_reason: str
+    events: list[tuple[str, dict]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """A live turn's bookkeeping beside its plan and run: whose turn, the drift decision, events, timings."""
+
+    turn: int
+    user_seq: int
+    assessment: Assessment
+    decision: str
+    events: list[tuple[str, dict]]
+    timings: dict[str, float]
+
+    def record(self, plan: TurnPlan, result: TurnResult, reply_tokens: tuple[list[int], list[int]],
+               kept: list[np.ndarray] | None, kept_per_role: dict[str, float]) -> dict:
+        """The turns table's columns for this turn. ``reply_tokens``: (decoded into the cache, left pending);
+        ``kept[l]``: (Hkv, K) true positions held by layer l after the compression, None when none ran."""
+        report = result.report
+        segments = plan.to_record()
+        if result.protect_applied is not None:
+            segments["protect_applied"] = result.protect_applied
+        return {
+            "prefill_tokens": list(plan.tokens), "decode_tokens": reply_tokens[0], "pending_tokens": reply_tokens[1],
+            "segments": segments, "tokens_in": len(plan.tokens), "tokens_out": len(result.tokens),
+            "kept_per_role": kept_per_role, "retention": report.retention() if report else None,
+            "kept_positions": pack_positions(kept) if kept is not None else None,
+            "compression": report.to_dict() if report else None, "drift_score": self.assessment.score,
+            "drift_decision": self.decision, "timings": self.timings, "stop_reason": result.stop_reason,
+        }
+
+    def all_events(self, report: CompressionReport | None) -> list[tuple[str, dict]]:
+        """The turn's events, its compression's (when one evicted anything) last."""
+        if report is None or not report.compressed:
+            return list(self.events)
+        return [*self.events, ("compression", {k: v for k, v in report.to_dict().items()
+                                               if k not in ("kept", "kept_new")})]
