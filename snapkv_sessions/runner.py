@@ -386,7 +386,7 @@ class ModelRunner:
         """Execute ``plan``: prefill its tokens at their true positions, compress with its window; the
         returned :class:`TurnRun` decodes the reply (or feeds ``forced``, a recorded one) when iterated.
 
-        Live turns, replays, re-prefills, ``--verify`` and the benchmarks all run turns through here.
+        Live turns, replays, re-prefills, ``--verify`` and the session benchmarks all run turns through here.
         """
         if plan.first_position != state.next_position + len(state.pending):
             raise ConfigError("plan.first_position", plan.first_position, f"the state's next token goes to position "
