@@ -16,7 +16,7 @@ def main() -> None:
     if mode == "die-mid-turn":
         def die(self, *args, **kwargs):
             os._exit(17)  # killed after the user message was committed, before any reply
-        _S._compute = die
+        _S._live = die
     session = Session.open(sid, model="smollm2-135m-instruct", store=url, redis_url=redis_url)
     out = []
     for question in sys.argv[4:]:

@@ -13,7 +13,7 @@ from snapkv_sessions.runner import ModelRunner
 from snapkv_sessions.transcript import TurnPlan, observation_window, to_ranges
 
 DOC = "\n".join(f"Parcel {1000 + i}: courier agent A{i * 7 % 13}, RULE {i}: fragile." for i in range(24))
-POLICY = {"compression": {"budget": 96, "window": 8},
+POLICY = {"compression": {"budget": 256, "window": 8},
           "pins": {"roles": ["system"], "markers": ["fragile"], "patterns": [r"RULE \d+"], "sink_tokens": 4},
           "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
           "recovery": {"min_turns_between": 2}}
