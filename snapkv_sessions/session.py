@@ -141,7 +141,7 @@ class Session:
         """Admit ``message`` against the policy limits and append it, with its pins, under the session lock."""
         n = self.admission.admit(message)
         with self.store.lock(self.id):
-            pins = self.transcript.message_pins(self.messages(), message)
+            pins = self.transcript.message_pins(self.messages, message)
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
                                           token_count=n, pins=pins.to_json())["seq"]
 
@@ -180,7 +180,7 @@ class Session:
         n = self.admission.admit(message)
         with self.store.lock(self.id):
             self._sync()
-            pins = self.transcript.message_pins(self.messages(), message)
+            pins = self.transcript.message_pins(self.messages, message)
             turn, row = self.store.begin_turn(self.id, message.content, message.name, self.policy.sha256,
                                               self.model_id, gen.record(), gen.seed, role=message.role,
                                               token_count=n, pins=pins.to_json())
@@ -253,7 +253,7 @@ class Session:
         events = out.all_events(report)
         self.transcript.extend_reply(assistant_seq, decode_tokens + pending)
         try:
-            pins = self.transcript.message_pins(msgs, Message(role="assistant", content=content)).to_json()
+            pins = self.transcript.message_pins(lambda: msgs, Message(role="assistant", content=content)).to_json()
         except TemplateError:  # the reply is kept all the same; its pins are searched for when it is planned
             pins = None
         msg = self.store.finish_turn(self.id, turn, content, record, events, self.transcript.spans(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -171,11 +171,16 @@ class Transcript:
 
     # ------------------------------------------------------------------ pins, once per message
 
-    def message_pins(self, prefix: list[Message], message: Message) -> MessagePins:
-        """Pins of ``message`` rendered after ``prefix`` (the active messages before it)."""
-        if not (self.pin_policy.markers or self.pin_policy.patterns):
+    @property
+    def searches(self) -> bool:
+        """Whether the policy names markers or patterns (else a message's pins are its role's alone)."""
+        return bool(self.pin_policy.markers or self.pin_policy.patterns)
+
+    def message_pins(self, prefix: Callable[[], list[Message]], message: Message) -> MessagePins:
+        """Pins of ``message`` rendered after ``prefix()`` (the active messages before it, read only if needed)."""
+        if not self.searches:
             return MessagePins("", ())  # nothing to search for: no render needed
-        text, spans = self.formatter.render([*prefix, message], generation_prompt=False)
+        text, spans = self.formatter.render([*prefix(), message], generation_prompt=False)
         _, start, end = spans[-1]
         chunk = text[start:end]
         return MessagePins(MessagePins.digest(chunk), find_pins(chunk, self.pin_policy))
@@ -183,14 +188,14 @@ class Transcript:
     def _hits(self, msgs: list[Message], text: str, spans, base: int) -> list[Range]:
         """Absolute pinned character ranges of the messages rendered at or after character ``base``."""
         hits: list[Range] = []
-        if not (self.pin_policy.markers or self.pin_policy.patterns):
+        if not self.searches:
             return hits
         for i, (seq, start, end) in enumerate(spans):
             if seq is None or end <= base:
                 continue
             pins = msgs[i].pins
             if pins is None or pins.span != MessagePins.digest(text[start:end]):
-                pins = self.message_pins(msgs[:i], msgs[i])
+                pins = self.message_pins(lambda i=i: msgs[:i], msgs[i])
             hits += [(start + a, start + b) for a, b in pins.ranges]
         return hits
 
