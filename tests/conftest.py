@@ -15,6 +15,7 @@ import torch
 
 from snapkv_sessions.models import bundle_available
 
+PG_URL = os.environ.get("SNAPKV_TEST_PG", "postgresql+psycopg://root@127.0.0.1:5432/test")
 STRICT_MARKERS = ("bundle", "service")
 ENVIRONMENT_SKIPS = ("not installed", "not reachable")  # the reasons this suite gives for a missing bundle/service
 
@@ -56,6 +57,19 @@ def build_tiny(kind: str, seed: int = 0, layers: int = 3, attn: str = "sdpa"):
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(6.0)
     return model
+
+
+def pg_store():
+    """A SessionStore on the machine's PostgreSQL, or a skip naming why it is not reachable."""
+    from snapkv_sessions.store import SessionStore
+
+    try:
+        store = SessionStore(PG_URL)
+        with store.engine.connect():
+            pass
+    except Exception as exc:  # noqa: BLE001 - any connection failure means: no server here
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.__class__.__name__}")
+    return store
 
 
 TINY_KINDS = ["llama", "llama-mha", "qwen2"]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import pg_store
 from sqlalchemy import update
 
 from snapkv_sessions import Session, SessionStore
@@ -18,23 +19,12 @@ from snapkv_sessions.session import AdmissionError
 from snapkv_sessions.store import schema
 
 HERE = Path(__file__).resolve().parent
-PG_URL = os.environ.get("SNAPKV_TEST_PG", "postgresql+psycopg://root@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("SNAPKV_TEST_REDIS", "redis://127.0.0.1:6379/0")
 POLICY = {"compression": {"budget": 96, "window": 16, "kernel": 7}, "pins": {"roles": ["system"], "sink_tokens": 4}}
 DOC = " ".join(f"Parcel {1000 + i} goes to {name}." for i, name in enumerate(
     ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]))
 QUESTIONS = ["Who gets parcel 1003?", "And parcel 1005?", "Who gets parcel 1010?", "List two names.",
              "Is Ada in the list?", "Thanks, that is all."]
-
-
-def pg_store() -> SessionStore:
-    try:
-        store = SessionStore(PG_URL)
-        with store.engine.connect():
-            pass
-    except Exception as exc:  # noqa: BLE001 - any connection failure means: no server here
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.__class__.__name__}")
-    return store
 
 
 def redis_url_or_skip() -> str:

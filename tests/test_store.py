@@ -3,11 +3,11 @@ thread ids through an index, and migration m002 on a database m001 created."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from datetime import datetime, timezone
 
 import pytest
+from conftest import PG_URL, pg_store
 from sqlalchemy import (
     Column,
     Index,
@@ -27,18 +27,7 @@ from snapkv_sessions.store import SessionStore, schema
 from snapkv_sessions.store.hashing import GENESIS, message_hash
 from snapkv_sessions.store.migrations import applied
 
-PG_URL = os.environ.get("SNAPKV_TEST_PG", "postgresql+psycopg://root@127.0.0.1:5432/test")
 M002_COLUMNS = {"messages": {"token_count", "pins"}, "sessions": {"thread_id"}}
-
-
-def pg_store() -> SessionStore:
-    try:
-        store = SessionStore(PG_URL)
-        with store.engine.connect():
-            pass
-    except Exception as exc:  # noqa: BLE001 - any connection failure means: no server here
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc.__class__.__name__}")
-    return store
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.service)])
