@@ -10,6 +10,7 @@ new process and how a worker catches up with turns another worker ran.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from typing import TypedDict, Unpack
 
@@ -190,12 +191,20 @@ class Session:
         try:
             yield from self._live(turn, user_seq, gen)
         except BaseException as exc:  # an error or an abandoned stream: no half turn
-            if isinstance(exc, Exception):
-                self.store.add_event(self.id, "error", {"type": type(exc).__name__, "message": str(exc)}, turn=turn)
-            reason = "stream closed before the reply" if isinstance(exc, GeneratorExit) else type(exc).__name__
-            self.store.abandon_turn(self.id, turn, reason=reason)
-            self._reset()  # the cache may hold part of the turn; it is rebuilt from the store on next use
+            self._reset()  # first, whatever the store does next: the cache may hold part of the turn
+            self._close_failed(turn, exc)
             raise
+
+    def _close_failed(self, turn: int, exc: BaseException) -> None:
+        """Record a failed turn as abandoned, if the store can; else it stays pending, and the next use of the
+        session resolves it by the pending rules. Never raises: the caller's own error is the one to report."""
+        reason = "stream closed before the reply" if isinstance(exc, GeneratorExit) else type(exc).__name__
+        error = {"type": type(exc).__name__, "message": str(exc)[:2000]} if isinstance(exc, Exception) else None
+        try:
+            self.store.abandon_turn(self.id, turn, reason=reason, error=error)
+        except Exception as store_exc:  # noqa: BLE001 - the store is failing too; the turn stays pending
+            warnings.warn(f"turn {turn} could not be closed ({type(store_exc).__name__}); it stays pending and is "
+                          "resolved when the session is next used", RuntimeWarning, stacklevel=3)
 
     def _context(self, user_seq: int, reprefill: bool) -> TurnContext:
         return TurnContext(user_seq=user_seq, pending=len(self.state.pending), reprefill=reprefill,

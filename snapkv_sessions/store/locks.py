@@ -31,6 +31,31 @@ _thread_locks: dict[str, threading.Lock] = {}
 _thread_guard = threading.Lock()
 
 
+def _pg_unlock(conn, key: int) -> None:
+    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+    conn.commit()
+
+
+def _file_unlock(fh) -> None:
+    fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _release(unlock, handle, *args: object) -> None:
+    """Unlock, never raising: an unlock that fails must not hide the error (or the committed turn) it follows.
+
+    A PostgreSQL connection that cannot unlock is invalidated: the server ends its session, and with it the
+    advisory lock; a lock file's ``flock`` goes with the file when it is closed.
+    """
+    try:
+        unlock(handle, *args)
+    except Exception as exc:  # noqa: BLE001 - whatever the store raised, the lock is given up the hard way
+        if hasattr(handle, "invalidate"):
+            with contextlib.suppress(Exception):
+                handle.invalidate()
+        warnings.warn(f"session lock release failed ({type(exc).__name__}: {str(exc)[:200]}); the lock was dropped "
+                      "with its connection", RuntimeWarning, stacklevel=4)
+
+
 def _key64(session_id: str) -> int:
     return int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big", signed=True)
 
@@ -48,8 +73,7 @@ def sql_lock(engine: Engine, session_id: str, timeout: float) -> Iterator[None]:
             try:
                 yield
             finally:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _key64(session_id)})
-                conn.commit()
+                _release(_pg_unlock, conn, _key64(session_id))
         return
     db = engine.url.database
     if engine.dialect.name == "sqlite" and db and db != ":memory:":
@@ -68,7 +92,7 @@ def sql_lock(engine: Engine, session_id: str, timeout: float) -> Iterator[None]:
             try:
                 yield
             finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+                _release(_file_unlock, fh)
         return
     with _thread_guard:
         lock = _thread_locks.setdefault(f"{engine.url}:{session_id}", threading.Lock())

@@ -342,11 +342,22 @@ class SessionStore:
         self._hot_set(session_id, turns_done=turn, head_hash=msg["hash"])
         return msg
 
-    def abandon_turn(self, session_id: str, turn: int, reason: str) -> None:
-        """Close a pending turn without a reply: its user message is kept (for the audit) but marked abandoned."""
+    def abandon_turn(self, session_id: str, turn: int, reason: str, error: dict | None = None) -> bool:
+        """Close a pending turn without a reply: its user message is kept (for the audit) but marked abandoned.
+
+        ``error`` (its type and message) is recorded as an ``error`` event in the same transaction. Only a
+        pending turn is closed: a turn that was committed (done) before the failure stays as it is; returns
+        whether the turn was closed here.
+        """
+        t = schema.turns.c
         with self.engine.begin() as conn:
-            row = conn.execute(select(schema.turns).where(schema.turns.c.session_id == session_id,
-                                                          schema.turns.c.turn == turn)).mappings().first()
+            row = conn.execute(select(schema.turns).where(t.session_id == session_id, t.turn == turn,
+                                                          t.status == "pending")).mappings().first()
+            if row is None:
+                return False
+            if error is not None:
+                conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind="error",
+                                                          payload=error, created_at=_now()))
             conn.execute(update(schema.turns).where(schema.turns.c.id == row["id"])
                          .values(status="abandoned", finished_at=_now()))
             conn.execute(update(schema.messages).where(schema.messages.c.session_id == session_id,
@@ -354,6 +365,7 @@ class SessionStore:
                          .values(status="abandoned"))
             conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind="abandoned",
                                                       payload={"reason": reason}, created_at=_now()))
+        return True
 
     def add_event(self, session_id: str, kind: str, payload: dict, turn: int | None = None) -> None:
         with self.engine.begin() as conn:
