@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TypedDict, Unpack
 
 from .admission import Admission, AdmissionError
-from .chat import Message, MessagePins, TemplateError
+from .chat import Message, MessagePins
 from .drift import Assessment, DriftMonitor, decide
 from .errors import ConfigError
 from .generation import GenerationConfig, TextStream
@@ -261,12 +261,9 @@ class Session:
         record = out.record(plan, result, (decode_tokens, pending), kept, kept_per_role)
         events = out.all_events(report)
         self.transcript.extend_reply(assistant_seq, decode_tokens + pending)
-        try:
-            pins = self.transcript.message_pins(lambda: msgs, Message(role="assistant", content=content)).to_json()
-        except TemplateError:  # the reply is kept all the same; its pins are searched for when it is planned
-            pins = None
+        pins = self.transcript.reply_pins(msgs, content)
         msg = self.store.finish_turn(self.id, turn, content, record, events, self.transcript.spans(),
-                                     token_count=self.count_tokens(content), pins=pins)
+                                     token_count=self.count_tokens(content), pins=pins and pins.to_json())
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn

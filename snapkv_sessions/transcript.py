@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import bisect
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import regex
 
 from .chat import ChatFormatter, Message, MessagePins, TemplateError
-from .errors import PlanError
+from .errors import ConfigError, PlanError
 from .policy import ROLES, PinPolicy
 
 Range = tuple[int, int]  # [start, end) true positions (or characters, for message pins)
@@ -56,10 +58,26 @@ def extend_runs(runs: list[Run], seq: int, start: int, end: int) -> None:
         runs.append((seq, start, end))
 
 
-def find_pins(chunk: str, pins: PinPolicy) -> tuple[Range, ...]:
-    """Character ranges of ``chunk`` that the policy's markers and patterns pin (empty matches ignored)."""
+PATTERN_TIMEOUT_S = 1.0  # per pattern and message: a benign pattern scans a 16K-token document in milliseconds
+
+
+class PatternTimeout(ConfigError):
+    """A ``pins.patterns`` regex ran past its time bound on a message (catastrophic backtracking)."""
+
+
+def find_pins(chunk: str, pins: PinPolicy, timeout: float = PATTERN_TIMEOUT_S) -> tuple[Range, ...]:
+    """Character ranges of ``chunk`` that the policy's markers and patterns pin (empty matches ignored).
+
+    Patterns run with a time bound (the ``regex`` package's ``timeout``): one that backtracks
+    catastrophically raises :class:`PatternTimeout` instead of holding the session's lock for ever.
+    """
     hits = [(m.start(), m.end()) for marker in pins.markers for m in re.finditer(re.escape(marker), chunk)]
-    hits += [(m.start(), m.end()) for pat in pins.patterns for m in re.finditer(pat, chunk) if m.end() > m.start()]
+    for pat in pins.patterns:
+        try:
+            hits += [(m.start(), m.end()) for m in regex.finditer(pat, chunk, timeout=timeout) if m.end() > m.start()]
+        except TimeoutError:
+            raise PatternTimeout("pins.patterns", pat, f"ran over {timeout:g} s on a {len(chunk)}-character message; "
+                                 "nothing was stored (simplify the pattern)") from None
     return tuple(sorted(hits))
 
 
@@ -177,13 +195,36 @@ class Transcript:
         return bool(self.pin_policy.markers or self.pin_policy.patterns)
 
     def message_pins(self, prefix: Callable[[], list[Message]], message: Message) -> MessagePins:
-        """Pins of ``message`` rendered after ``prefix()`` (the active messages before it, read only if needed)."""
+        """Pins of ``message`` rendered after ``prefix()`` (the active messages before it, read only if needed).
+
+        Raises :class:`PatternTimeout` (naming the pattern and the message) when a pattern runs too long.
+        """
         if not self.searches:
             return MessagePins("", ())  # nothing to search for: no render needed
         text, spans = self.formatter.render([*prefix(), message], generation_prompt=False)
         _, start, end = spans[-1]
         chunk = text[start:end]
-        return MessagePins(MessagePins.digest(chunk), find_pins(chunk, self.pin_policy))
+        try:
+            return MessagePins(MessagePins.digest(chunk), find_pins(chunk, self.pin_policy))
+        except PatternTimeout as exc:
+            who = f"{message.role} message" + (f" {message.name!r}" if message.name else "")
+            raise PatternTimeout(exc.param, exc.value, f"{exc.reason.split('; ')[0]} ({who}); nothing was stored "
+                                 "(simplify the pattern)") from None
+
+    def reply_pins(self, msgs: list[Message], content: str) -> MessagePins | None:
+        """Pins of the model's reply to ``msgs``. A reply is never refused: when a pattern runs too long on it,
+        its markers still pin and the patterns do not (with a warning); None when the template rejects it."""
+        reply = Message(role="assistant", content=content)
+        try:
+            return self.message_pins(lambda: msgs, reply)
+        except TemplateError:
+            return None  # searched for again when the reply is planned
+        except PatternTimeout as exc:
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=3)
+            text, spans = self.formatter.render([*msgs, reply], generation_prompt=False)
+            chunk = text[spans[-1][1]: spans[-1][2]]
+            markers_only = self.pin_policy.model_copy(update={"patterns": ()})
+            return MessagePins(MessagePins.digest(chunk), find_pins(chunk, markers_only))
 
     def _hits(self, msgs: list[Message], text: str, spans, base: int) -> list[Range]:
         """Absolute pinned character ranges of the messages rendered at or after character ``base``."""
