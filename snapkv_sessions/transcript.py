@@ -15,6 +15,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 import regex
@@ -242,10 +243,48 @@ class Transcript:
 
     # ------------------------------------------------------------------ planning
 
-    def _delta(self, text: str, base: int) -> tuple[list[int], list[Range]]:
-        """Token ids of ``text`` from character ``base`` on, and each token's character span."""
-        enc = self.tokenizer(text[base:], add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [(base + a, base + b) for a, b in enc["offset_mapping"]]
+    @cached_property
+    def _control_texts(self) -> tuple[str, ...]:
+        """The tokenizer's special tokens as text (``<|im_start|>``...): only the template may produce them."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        return tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
+
+    def _plain_ranges(self, msgs: list[Message], text: str, spans, base: int) -> list[Range]:
+        """Character ranges past ``base`` of message content that spells a special token: they are tokenized as
+        plain text, so content can never forge a control token (a role, an end of turn)."""
+        out: list[Range] = []
+        for i, (seq, start, end) in enumerate(spans):
+            if seq is None or end <= base:
+                continue
+            content = msgs[i].for_template()["content"]
+            if not any(c in content for c in self._control_texts):
+                continue
+            at = text.find(content, start, end)
+            if at < 0:
+                raise TemplateError("msg.content", content[:80], "spells a control token and the chat template "
+                                    "does not keep content verbatim, so it cannot be kept plain text")
+            if at + len(content) > base:
+                out.append((max(at, base), at + len(content)))
+        return out
+
+    def _delta(self, text: str, base: int, plain: list[Range]) -> tuple[list[int], list[Range]]:
+        """Token ids of ``text`` from character ``base`` on, and each token's character span. The ``plain``
+        ranges are tokenized without special-token parsing; the rest (the template's own markup) with it."""
+        pieces, pos = [], base
+        for start, end in plain:
+            pieces += [(pos, start, False), (start, end, True)]
+            pos = end
+        pieces.append((pos, len(text), False))
+        ids: list[int] = []
+        offsets: list[Range] = []
+        for start, end, literal in pieces:
+            if end <= start:
+                continue
+            enc = self.tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=True,
+                                 **({"split_special_tokens": True} if literal else {}))
+            ids += enc["input_ids"]
+            offsets += [(start + a, start + b) for a, b in enc["offset_mapping"]]
+        return ids, offsets
 
     def plan(self, msgs: list[Message], ctx: TurnContext) -> TurnPlan:
         """The next turn's plan: the rendering of ``msgs`` past what the cache holds (all of it on re-prefill)."""
@@ -253,7 +292,7 @@ class Transcript:
         base = 0 if ctx.reprefill else len(self.text)
         if not ctx.reprefill and not text.startswith(self.text):
             raise TemplateError("tokenizer.chat_template", "transcript", "the cache is not a prefix of the render")
-        ids, offsets = self._delta(text, base)
+        ids, offsets = self._delta(text, base, self._plain_ranges(msgs, text, spans, base))
         first = 0 if ctx.reprefill else self.length
         starts = [a for _, a, _ in spans]
         owners = []
