@@ -40,6 +40,18 @@ def format_tool_calls(tool_calls: list[dict]) -> str:
     return "\n".join(blocks)
 
 
+def _check_text(param: str, value: object) -> None:
+    """Text the store can keep and hash exactly: a str, valid UTF-8 (no lone surrogate), no NUL character."""
+    if not isinstance(value, str):
+        raise ConfigError(param, value, f"must be a string, not {type(value).__name__}")
+    if "\x00" in value:
+        raise ConfigError(param, value, "contains a NUL character, which no store keeps")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(param, value, f"is not valid Unicode text ({exc.reason} at {exc.start})") from None
+
+
 class TemplateError(ConfigError):
     """The chat template does not render a conversation as a stable prefix of its extension."""
 
@@ -82,6 +94,16 @@ class Message:
     seq: int | None = None
     pins: MessagePins | None = field(default=None, compare=False, repr=False)  # set by the store, never by input
 
+    def __post_init__(self) -> None:
+        # every message is checked here, whatever path it came by: a bad one is refused before it is stored
+        if self.role not in ROLES:
+            raise ConfigError("msg.role", self.role, f"must be one of {list(ROLES)}")
+        _check_text("msg.content", self.content)
+        if self.name is not None:
+            _check_text("msg.name", self.name)
+        if not isinstance(self.pinned, bool):
+            raise ConfigError("msg.pinned", self.pinned, "must be true or false")
+
     @classmethod
     def coerce(cls, msg: str | dict | Message, default_role: str = "user") -> Message:
         """A Message from a string (``default_role``), an OpenAI-style dict or a Message."""
@@ -103,7 +125,7 @@ class Message:
         if not isinstance(content, str):
             raise ConfigError("msg.content", content, "must be a string")
         name = msg.get("name") or msg.get("tool_call_id")
-        return cls(role=role, content=content, name=name, pinned=bool(msg.get("pinned", False)))
+        return cls(role=role, content=content, name=name, pinned=msg.get("pinned", False))
 
     def for_template(self) -> dict:
         content = self.content

@@ -36,6 +36,17 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        numbers = {"max_new_tokens": (int,), "temperature": (int, float), "top_k": (int,), "top_p": (int, float)}
+        for name, kinds in numbers.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise ConfigError(name, value, f"must be a number ({' or '.join(k.__name__ for k in kinds)})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError("seed", self.seed, "must be an int or None")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError("stop", self.stop, "must be strings")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
         if self.temperature < 0:
@@ -64,7 +75,8 @@ class GenerationConfig:
         unknown = sorted(set(kwargs) - {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop"})
         if unknown:
             raise ConfigError(unknown[0], kwargs[unknown[0]], "is not a generation parameter")
-        if kwargs.get("temperature", 0) > 0 and kwargs.get("seed") is None:
+        temperature = kwargs.get("temperature", 0)
+        if isinstance(temperature, (int, float)) and temperature > 0 and kwargs.get("seed") is None:
             kwargs["seed"] = random.randrange(2**31)
         return cls(**kwargs)
 

@@ -21,6 +21,27 @@ ROLES = ("system", "developer", "tool_schema", "document", "user", "assistant", 
 POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"
 
 
+MAX_YAML_NODES = 10_000  # a policy is a few dozen values; alias expansion past this is an attack
+
+
+def _expanded_size(node: yaml.Node | None, memo: dict[int, int]) -> int:
+    """Values the YAML node graph stands for once every alias is expanded (shared nodes counted per use)."""
+    if node is None:
+        return 0
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    memo[key] = MAX_YAML_NODES + 1  # a node that contains itself expands without end
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    else:
+        size = 1
+    memo[key] = min(size, 10 * MAX_YAML_NODES)  # capped: the sum stays small however deep the nesting
+    return memo[key]
+
+
 class PolicyError(ConfigError):
     """A policy field has an invalid value; ``param`` is the field path (``"compression.window"``)."""
 
@@ -128,9 +149,13 @@ class Policy(_Strict):
     @classmethod
     def from_yaml(cls, text: str) -> Policy:
         try:
+            size = _expanded_size(yaml.compose(text, Loader=yaml.SafeLoader), {})
+            if size > MAX_YAML_NODES:  # a few aliases can stand for billions of values: refuse before building
+                raise PolicyError("policy", "<yaml>", f"expands to {size} values through aliases (more than "
+                                  f"{MAX_YAML_NODES}); write the policy out instead")
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise PolicyError("policy", "<yaml>", f"not valid YAML: {exc}") from None
+            raise PolicyError("policy", "<yaml>", f"not valid YAML: {str(exc)[:500]}") from None
         return cls.from_dict(data or {})
 
     @classmethod

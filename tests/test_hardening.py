@@ -66,3 +66,55 @@ def test_content_never_forges_control_tokens(smollm2):
     again = Session.open(session.id, model=smollm2, store=store)
     assert again.state.token_ids == session.state.token_ids and reply.turn == 1
     assert audit.verify(store, session.id, model=smollm2).ok
+
+
+@pytest.mark.parametrize(("build", "param"), [
+    (lambda: {"role": "evil", "content": "x"}, "msg.role"),
+    (lambda: {"role": "document", "content": None}, "msg.content"),
+    (lambda: {"role": "document", "content": 12345}, "msg.content"),
+    (lambda: {"role": "document", "content": "lone \ud800 surrogate"}, "msg.content"),
+    (lambda: {"role": "document", "content": "nul \x00 byte"}, "msg.content"),
+    (lambda: {"role": "document", "content": "ok", "name": 7}, "msg.name"),
+    (lambda: {"role": "document", "content": "ok", "pinned": "yes"}, "msg.pinned"),
+])
+def test_bad_messages_are_refused_before_anything_is_stored(smollm2, build, param):
+    from snapkv_sessions.chat import Message
+
+    store = SessionStore("sqlite://")
+    session = Session.create(smollm2, policy=POLICY, store=store, system="Answer briefly.")
+    before = store.messages(session.id)
+    with pytest.raises(ConfigError) as err:
+        session.add_history(build())
+    assert err.value.param == param
+    with pytest.raises(ConfigError) as err:  # a Message built directly is checked the same way
+        fields = build()
+        session.add_history(Message(fields["role"], fields["content"], fields.get("name"), fields.get("pinned", False)))
+    assert err.value.param == param
+    assert store.messages(session.id) == before
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [({"max_new_tokens": "5"}, "max_new_tokens"),
+                                               ({"temperature": None}, "temperature"),
+                                               ({"seed": 1.5}, "seed"), ({"stop": [3]}, "stop")])
+def test_bad_generation_parameters_are_clear_errors(smollm2, kwargs, param):
+    store = SessionStore("sqlite://")
+    session = Session.create(smollm2, policy=POLICY, store=store)
+    with pytest.raises(ConfigError) as err:
+        session.chat("Hello?", **kwargs)
+    assert err.value.param == param and store.turns(session.id) == []
+
+
+def test_error_messages_are_bounded_and_alias_bombs_refused():
+    from snapkv_sessions.policy import Policy, PolicyError
+
+    err = ConfigError("msg.content", "x" * 2_000_000, "too long")
+    assert len(str(err)) < 300 and str(err).endswith("(2000002 characters): too long")
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{k}: &{k} [{', '.join(['*' + p] * 9)}]" for p, k in zip("abcdef", "bcdefg", strict=True)]
+    bomb = "\n".join(levels) + "\ncompression: {budget: *g}\n"  # 418 bytes that stand for 43 million values
+    with pytest.raises(PolicyError, match=r"^policy='<yaml>': expands to \d+ values through aliases") as err:
+        Policy.from_yaml(bomb)
+    assert len(str(err.value)) < 300
+    small = "x: &a [1, 2, 3]\ncompression: {budget: *a}\n"  # under the bound: the field error shows a short value
+    with pytest.raises(PolicyError, match=r"^compression.budget=\[1, 2, 3\]"):
+        Policy.from_yaml(small)
