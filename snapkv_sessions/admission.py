@@ -32,8 +32,10 @@ class Admission:
     counted once, when a check finds them, and their counts stored.
     """
 
-    def __init__(self, limits: LimitsPolicy, store: SessionStore, session_id: str, tokenizer) -> None:
+    def __init__(self, limits: LimitsPolicy, store: SessionStore, session_id: str, tokenizer,
+                 max_positions: int | None = None) -> None:
         self.limits, self.store, self.session_id, self.tokenizer = limits, store, session_id, tokenizer
+        self.max_positions = max_positions  # the model's context: no session may outgrow it
         self.counter = _counter_for(tokenizer)
 
     def count(self, text: str) -> int:
@@ -59,4 +61,7 @@ class Admission:
         if session_limit is not None and (total := n + self.stored_tokens()) > session_limit:
             raise AdmissionError("limits.max_session_tokens", session_limit,
                                  f"the session would hold {total} content tokens")
+        if self.max_positions is not None and (total := n + self.stored_tokens()) > self.max_positions:
+            raise AdmissionError("model.max_position_embeddings", self.max_positions,
+                                 f"the session would hold {total} content tokens, past the model's context")
         return n

@@ -174,9 +174,9 @@ def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    try:  # local files only: a name that is not here fails at once instead of retrying a hub it cannot reach
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
     except OSError as exc:
         raise ModelResolveError(
             f"model={str(name)!r}: cannot load it offline ({exc}); give a local folder, a .gguf file or one of "

@@ -6,7 +6,11 @@ state itself, so one loaded model serves many states.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +48,26 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if not all(hasattr(m, "layer_idx") for m in _attention_modules(model)):
         raise UnsupportedModelError(f"model={kind!r}: attention modules carry no layer_idx")
+
+
+_TOKENIZER_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    """sha256 of a tokenizer's vocabulary and chat template (once per tokenizer object: hashing a 150K-entry
+    vocabulary takes a fraction of a second)."""
+    if tokenizer is None:
+        return "none"
+    try:
+        return _TOKENIZER_DIGESTS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    text = json.dumps([sorted(tokenizer.get_vocab().items()), getattr(tokenizer, "chat_template", None)],
+                      default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    with contextlib.suppress(TypeError):  # an object that cannot be weakly referenced is hashed every time
+        _TOKENIZER_DIGESTS[tokenizer] = digest
+    return digest
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -137,6 +161,18 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, (list, tuple)) else (
             (eos,) if eos is not None else ()
         )
+
+    @property
+    def fingerprint(self) -> str:
+        """What a session is bound to: the architecture's shape and the tokenizer's vocabulary and template.
+
+        Two loads of the same model (by name, folder or object) agree; another model or tokenizer does not.
+        """
+        cfg = self.model.config
+        keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "rope_theta", "intermediate_size")
+        shape = json.dumps({k: getattr(cfg, k, None) for k in keys}, sort_keys=True, default=str)
+        return hashlib.sha256(f"{shape}:{_tokenizer_digest(self.tokenizer)}".encode()).hexdigest()
 
     @property
     def device(self) -> torch.device:

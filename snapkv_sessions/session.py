@@ -59,7 +59,8 @@ class Session:
         self.model_id, self.on_pending = model_id, on_pending
         self.tokenizer = runner.tokenizer
         self.transcript = Transcript(self.tokenizer, policy.pins)
-        self.admission = Admission(policy.limits, store, session_id, self.tokenizer)
+        self.admission = Admission(policy.limits, store, session_id, self.tokenizer,
+                                   getattr(runner.model.config, "max_position_embeddings", None))
         self.counter = self.admission.counter
         self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
                                   subjects=policy.drift.new_subject)
@@ -83,7 +84,7 @@ class Session:
         first = [Message.coerce({"role": "system", "content": system})] if system is not None else []
         first += [Message.coerce(m) for m in options.get("history") or []]  # all checked before anything is stored
         sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=options.get("title"),
-                                   thread_id=options.get("thread_id"))
+                                   meta={"model_fingerprint": runner.fingerprint}, thread_id=options.get("thread_id"))
         session = cls(sid, store, runner, policy, model_id)
         try:
             for message in first:
@@ -104,6 +105,10 @@ class Session:
         store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
         row = store.get_session(session_id)
         runner, model_id = runner_for(model if model is not None else row["model_id"])
+        bound = (row["meta"] or {}).get("model_fingerprint")
+        if bound is not None and bound != runner.fingerprint:  # sessions from before fingerprints are not checked
+            raise ConfigError("model", model_id, f"session {session_id} is bound to model {row['model_id']!r} "
+                              f"(fingerprint {bound[:12]}), not to this one ({runner.fingerprint[:12]})")
         session = cls(session_id, store, runner, Policy.from_yaml(row["policy_json"]), row["model_id"], on_pending)
         with store.lock(session_id):
             session._sync()
@@ -142,6 +147,7 @@ class Session:
         """Admit ``message`` against the policy limits and append it, with its pins, under the session lock."""
         n = self.admission.admit(message)
         with self.store.lock(self.id):
+            self._sync()  # a turn another worker left pending is resolved first: its reply follows its question
             pins = self.transcript.message_pins(self.messages, message)
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
                                           token_count=n, pins=pins.to_json())["seq"]

@@ -118,3 +118,46 @@ def test_error_messages_are_bounded_and_alias_bombs_refused():
     small = "x: &a [1, 2, 3]\ncompression: {budget: *a}\n"  # under the bound: the field error shows a short value
     with pytest.raises(PolicyError, match=r"^compression.budget=\[1, 2, 3\]"):
         Policy.from_yaml(small)
+
+
+def test_a_session_is_bound_to_its_model(smollm2):
+    """Opening a session with another model (another shape, same tokenizer) is a clear error naming both."""
+    from conftest import build_tiny
+
+    store = SessionStore("sqlite://")
+    session = Session.create(smollm2, policy=POLICY, store=store, system="Answer briefly.")
+    other = build_tiny("llama")
+    other.config.vocab_size = smollm2[0].config.vocab_size  # only the shape tells them apart
+    with pytest.raises(ConfigError, match=rf"^model=.*: session {session.id} is bound to model .*fingerprint"):
+        Session.open(session.id, model=(other, smollm2[1]), store=store)
+    assert Session.open(session.id, model=smollm2, store=store).id == session.id  # its own model still opens it
+
+
+def test_admission_refuses_past_the_models_context(smollm2):
+    from snapkv_sessions.admission import AdmissionError
+
+    store = SessionStore("sqlite://")
+    session = Session.create(smollm2, policy=POLICY, store=store)
+    limit = smollm2[0].config.max_position_embeddings
+    with pytest.raises(AdmissionError, match=rf"^model.max_position_embeddings={limit}: the session would hold"):
+        session.add_document("word " * (limit + 10), name="huge")
+    assert store.messages(session.id) == []
+
+
+def test_a_missing_model_fails_fast_without_the_network(monkeypatch):
+    """A name that is neither a bundle nor a local folder never reaches for a hub (no socket is opened)."""
+    import socket
+
+    from snapkv_sessions.errors import ModelResolveError
+    from snapkv_sessions.models import load_model
+
+    attempts = []
+
+    def no_network(self, address, *args):
+        attempts.append(address)
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    with pytest.raises(ModelResolveError, match=r"^model='no-such-org/no-such-model': cannot load it offline"):
+        load_model("no-such-org/no-such-model")
+    assert attempts == []

@@ -245,6 +245,11 @@ class SessionStore:
         """
         _check_count("token_count", token_count)
         with self.engine.begin() as conn:
+            t = schema.turns.c
+            pending = conn.execute(select(t.turn).where(t.session_id == session_id, t.status == "pending")).first()
+            if pending is not None:  # its reply must follow its question: nothing may come in between
+                raise StoreError(f"session_id={session_id!r}: turn {pending.turn} is pending; resolve it first "
+                                 "(Session.open answers or abandons it)")
             return self._append(conn, session_id, _NewMessage(role, content, name, pinned, token_count=token_count,
                                                               pins=pins))
 
