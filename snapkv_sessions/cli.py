@@ -241,9 +241,10 @@ def sessions() -> None:
 
 
 def _store(db: str | None):
+    """The store of a read-only command: a given path or URL must already hold a database."""
     from .store import SessionStore
 
-    return SessionStore(db)
+    return SessionStore(db, must_exist=db is not None)
 
 
 def _jsonable(obj):
@@ -286,6 +287,8 @@ def sessions_show(session_id, db, as_json) -> None:
     data["hash_chain_problems"] = store.verify(session_id)
     if as_json:
         click.echo(json.dumps(_jsonable(data), indent=2))
+        if data["hash_chain_problems"]:
+            sys.exit(1)
         return
     sess = data["session"]
     click.echo(f"session {sess['id']}  model {sess['model_id']}  turns {sess['turns_done']}  "
@@ -297,6 +300,8 @@ def sessions_show(session_id, db, as_json) -> None:
         click.echo(f"{m['seq']:>4} {m['role']:<11} {span:<14} {text[:80]}{flag}")
     problems = data["hash_chain_problems"]
     click.echo("hash chain intact" if not problems else "hash chain BROKEN: " + "; ".join(problems))
+    if problems:
+        sys.exit(1)
 
 
 @sessions.command("delete")

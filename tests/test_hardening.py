@@ -161,3 +161,28 @@ def test_a_missing_model_fails_fast_without_the_network(monkeypatch):
     with pytest.raises(ModelResolveError, match=r"^model='no-such-org/no-such-model': cannot load it offline"):
         load_model("no-such-org/no-such-model")
     assert attempts == []
+
+
+def test_cli_store_errors_are_one_line_and_create_nothing(tmp_path):
+    from click.testing import CliRunner
+    from sqlalchemy import update
+
+    from snapkv_sessions.cli import main
+    from snapkv_sessions.store import schema
+
+    cli = CliRunner()
+    missing = tmp_path / "typo.db"
+    res = cli.invoke(main, ["sessions", "list", "--db", str(missing)])
+    assert res.exit_code == 1 and "no such database file" in res.output and not missing.exists()
+    for url in ("postgresql+psycopg://nobody@127.0.0.1:1/none", "nosuchdialect://x/y"):
+        res = cli.invoke(main, ["sessions", "list", "--db", url])
+        assert res.exit_code == 1 and res.output.startswith("Error: store=") and "Traceback" not in res.output
+    db = tmp_path / "real.db"  # a plain path is an SQLite database
+    store = SessionStore(str(db))
+    sid = store.create_session("m", "{}", "p" * 64)
+    store.add_message(sid, "system", "Be brief.")
+    assert cli.invoke(main, ["sessions", "show", sid, "--db", str(db)]).exit_code == 0
+    with store.engine.begin() as conn:
+        conn.execute(update(schema.messages).values(content="Be long."))
+    res = cli.invoke(main, ["sessions", "show", sid, "--db", str(db)])
+    assert res.exit_code == 1 and "hash chain BROKEN" in res.output

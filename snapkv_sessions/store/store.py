@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, func, insert, select, update
+from sqlalchemy import create_engine, delete, event, func, insert, make_url, select, update
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
 
 from ..errors import ConfigError, SnapKVError
 from . import schema
@@ -70,6 +71,31 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
+def _as_url(url: str) -> str:
+    """A URL as given, or a plain path made an SQLite URL (``--db sessions.db``)."""
+    if "://" in url:
+        return url
+    return f"sqlite:///{Path(url).expanduser().resolve()}"
+
+
+def _shown(url: str) -> str:
+    """The URL without its password, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url[:200]
+
+
+def _check_exists(url: str) -> None:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return  # reported by the open itself
+    db = parsed.database
+    if parsed.get_backend_name() == "sqlite" and db and db != ":memory:" and not Path(db).is_file():
+        raise StoreError(f"store={_shown(url)!r}: no such database file (nothing was created)")
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         if url in ("sqlite://", "sqlite:///:memory:"):
@@ -93,11 +119,19 @@ class SessionStore:
     redis_url: optional Redis for hot state and per-session locks; unreachable Redis only warns
     """
 
-    def __init__(self, url: str | None = None, redis_url: str | None = None) -> None:
-        self.url = url or default_url()
-        self.engine = _make_engine(self.url)
-        with self.engine.begin() as conn:
-            migrate(conn)
+    def __init__(self, url: str | None = None, redis_url: str | None = None, *, must_exist: bool = False) -> None:
+        """``url``: an SQLAlchemy URL, or a plain file path (an SQLite database); ``must_exist``: refuse to
+        create a new SQLite file (read-only commands: a mistyped path is an error, not an empty store)."""
+        self.url = _as_url(url) if url else default_url()
+        if must_exist:
+            _check_exists(self.url)
+        try:
+            self.engine = _make_engine(self.url)
+            with self.engine.begin() as conn:
+                migrate(conn)
+        except (ArgumentError, NoSuchModuleError, OperationalError, InterfaceError) as exc:
+            raise StoreError(f"store={_shown(self.url)!r}: cannot open it ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:300]})") from None
         self.redis = self._connect_redis(redis_url) if redis_url else None
 
     @staticmethod
