@@ -186,3 +186,34 @@ def test_cli_store_errors_are_one_line_and_create_nothing(tmp_path):
         conn.execute(update(schema.messages).values(content="Be long."))
     res = cli.invoke(main, ["sessions", "show", sid, "--db", str(db)])
     assert res.exit_code == 1 and "hash chain BROKEN" in res.output
+
+
+def test_verify_names_turn_and_message_edits():
+    """Single-row edits the hash chain alone misses: turns are checked against the messages they reference."""
+    from sqlalchemy import delete, update
+
+    from snapkv_sessions.store import schema
+
+    m, t, s = schema.messages.c, schema.turns.c, schema.sessions.c
+    edits = [  # (the edit of one row, the problem verify() must name)
+        (lambda sid: delete(schema.messages).where(m.session_id == sid, m.seq == 5), "turn 2: its reply"),
+        (lambda sid: update(schema.messages).where(m.session_id == sid, m.seq == 2).values(status="abandoned"),
+         "turn 1 is done but its question is abandoned"),
+        (lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 1).values(status="pending"),
+         "a pending turn is not the last turn"),
+        (lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 2).values(user_seq=2),
+         "turn 2: its question"),
+        (lambda sid: update(schema.sessions).where(s.id == sid).values(turns_done=1), "last done turn"),
+    ]
+    for edit, named in edits:
+        store = SessionStore("sqlite://")
+        sid = store.create_session("m", "{}", "p" * 64)
+        store.add_message(sid, "system", "Be brief.")
+        for q in ("One?", "Two?"):
+            turn, _ = store.begin_turn(sid, q, None, "p" * 64, "m", {}, None)
+            store.finish_turn(sid, turn, "Yes.", {"tokens_in": 1}, [], {})
+        assert store.verify(sid) == []
+        with store.engine.begin() as conn:
+            conn.execute(edit(sid))
+        problems = store.verify(sid)
+        assert any(named in p for p in problems), (named, problems)

@@ -444,6 +444,29 @@ class SessionStore:
             prev = msg["hash"]
         if self.get_session(session_id)["head_hash"] != prev:
             problems.append("session head_hash does not match the last message (truncated or altered)")
+        return problems + self._turn_problems(session_id)
+
+    def _turn_problems(self, session_id: str) -> list[str]:
+        """Turns checked against the messages they reference: a deleted or altered row on either side shows."""
+        msgs = {m["seq"]: m for m in self.messages(session_id)}
+        turns = self.turns(session_id)
+        problems = []
+        for t in turns:
+            user, reply = msgs.get(t["user_seq"]), msgs.get(t["assistant_seq"])
+            where = f"turn {t['turn']}"
+            if user is None or user["role"] not in ("user", "tool") or user["turn"] != t["turn"]:
+                problems.append(f"{where}: its question (message seq {t['user_seq']}) is missing or not its own")
+            elif (user["status"] == "abandoned") != (t["status"] == "abandoned"):
+                problems.append(f"{where} is {t['status']} but its question is {user['status']}")
+            if t["status"] == "done" and (reply is None or reply["role"] != "assistant"
+                                          or t["assistant_seq"] != t["user_seq"] + 1):
+                problems.append(f"{where}: its reply (message seq {t['assistant_seq']}) is missing or misplaced")
+        if any(t["status"] == "pending" for t in turns[:-1]):
+            problems.append("a pending turn is not the last turn")
+        last_done = max((t["turn"] for t in turns if t["status"] == "done"), default=0)
+        recorded = self.get_session(session_id)["turns_done"]
+        if recorded != last_done:
+            problems.append(f"the session records turn {recorded} as its last done turn, the turns table {last_done}")
         return problems
 
     def export(self, session_id: str) -> dict:
