@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .generation import GenerationConfig, TextStream
 from .models import runner_for
 from .policy import Policy
+from .press import layer_budgets
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
 from .transcript import Transcript, TurnContext, TurnPlan
@@ -149,6 +150,7 @@ class Session:
         with self.store.lock(self.id):
             self._sync()  # a turn another worker left pending is resolved first: its reply follows its question
             pins = self.transcript.message_pins(self.messages, message)
+            self._check_pins_fit(message, pins)
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
                                           token_count=n, pins=pins.to_json())["seq"]
 
@@ -165,6 +167,18 @@ class Session:
     def verify(self) -> list[str]:
         """Problems in the stored hash chain (empty when intact)."""
         return self.store.verify(self.id)
+
+    def _check_pins_fit(self, message: Message, pins: MessagePins) -> None:
+        """Refuse, before storing, a message whose pins alone could never fit a layer's history budget (with
+        ``pin_overflow: error`` and a fixed budget): stored, it would fail every later turn."""
+        comp = self.policy.compression
+        if comp.pin_overflow != "error" or comp.budget is None:
+            return
+        room = min(layer_budgets(comp, self.runner.num_layers, comp.budget)) - comp.window
+        pinned = self.transcript.pinned_tokens(self.messages, message, pins)
+        if pinned - 2 > room:  # its turn may tokenize the span's two ends a token apart
+            raise AdmissionError("compression.budget", comp.budget, f"the {message.role} message alone pins "
+                                 f"{pinned} tokens and a layer keeps {room} history tokens (pin_overflow: error)")
 
     def count_tokens(self, text: str) -> int:
         """Content tokens of ``text``, as admission counts them."""
@@ -188,6 +202,7 @@ class Session:
         with self.store.lock(self.id):
             self._sync()
             pins = self.transcript.message_pins(self.messages, message)
+            self._check_pins_fit(message, pins)
             turn, row = self.store.begin_turn(self.id, message.content, message.name, self.policy.sha256,
                                               self.model_id, gen.record(), gen.seed, role=message.role,
                                               token_count=n, pins=pins.to_json())

@@ -212,6 +212,21 @@ class Transcript:
             raise PatternTimeout(exc.param, exc.value, f"{exc.reason.split('; ')[0]} ({who}); nothing was stored "
                                  "(simplify the pattern)") from None
 
+    def pinned_tokens(self, prefix: Callable[[], list[Message]], message: Message, pins: MessagePins) -> int:
+        """Tokens of ``message``'s rendered span that its role or its markers and patterns pin (the span
+        tokenized on its own: within a token or two of what its turn will prefill)."""
+        policy = self.pin_policy
+        if not (message.role in policy.roles or message.pinned or pins.ranges):
+            return 0
+        msgs = [*prefix(), message]
+        text, spans = self.formatter.render(msgs, generation_prompt=False)
+        _, start, end = spans[-1]
+        ids, offsets = self._delta(text[:end], start, self._plain_ranges(msgs, text[:end], spans, start))
+        if message.role in policy.roles or message.pinned:
+            return len(ids)
+        hits = [(start + a, start + b) for a, b in pins.ranges]
+        return sum(any(s < e and a < t for s, t in hits) for a, e in offsets)
+
     def reply_pins(self, msgs: list[Message], content: str) -> MessagePins | None:
         """Pins of the model's reply to ``msgs``. A reply is never refused: when a pattern runs too long on it,
         its markers still pin and the patterns do not (with a warning); None when the template rejects it."""

@@ -217,3 +217,18 @@ def test_verify_names_turn_and_message_edits():
             conn.execute(edit(sid))
         problems = store.verify(sid)
         assert any(named in p for p in problems), (named, problems)
+
+
+def test_a_message_whose_pins_never_fit_is_refused_at_commit(smollm2):
+    """A document full of pin markers would fail every later turn (BudgetError): it is refused, not stored."""
+    from snapkv_sessions.admission import AdmissionError
+
+    store = SessionStore("sqlite://")
+    session = Session.create(smollm2, policy=POLICY, store=store, system="Answer briefly.")
+    before = store.messages(session.id)
+    with pytest.raises(AdmissionError, match=r"^compression.budget=96: the document message alone pins \d+ tokens "
+                                             r"and a layer keeps 88 history tokens"):
+        session.add_document("NEVER " * 200, name="markers")
+    assert store.messages(session.id) == before
+    session.add_document("NEVER " * 20, name="some markers")  # fits: stored, and turns go on
+    assert session.chat("Say hello.", max_new_tokens=4).turn == 1

@@ -196,8 +196,12 @@ def test_pinned_roles_and_markers_survive_every_turn(smollm2, tmp_path):
 def test_pins_over_budget_abandon_the_turn_cleanly(smollm2, tmp_path):
     store = SessionStore(f"sqlite:///{tmp_path / 'o.db'}")
     session = Session.create(smollm2, policy={"compression": {"budget": 40, "window": 8},
-                                              "pins": {"roles": ["system", "document"]}}, store=store)
-    session.add_document(DOC, name="parcels")
+                                              "pins": {"roles": ["system", "document"]}}, store=store,
+                             system="Be brief.")
+    with pytest.raises(AdmissionError, match=r"^compression.budget=40: the document message alone pins \d+ tokens"):
+        session.add_document(DOC, name="parcels")  # could never fit: refused before it is stored
+    for i, sentence in enumerate(DOC.split(". ")):  # each fits alone; together they do not
+        session.add_document(sentence, name=f"parcel {i}")
     with pytest.raises(BudgetError, match="pinned positions do not fit"):
         session.chat(QUESTIONS[0], max_new_tokens=4)
     assert [t["status"] for t in store.turns(session.id)] == ["abandoned"]
