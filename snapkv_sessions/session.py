@@ -149,8 +149,7 @@ class Session:
         n = self.admission.admit(message)
         with self.store.lock(self.id):
             self._sync()  # a turn another worker left pending is resolved first: its reply follows its question
-            pins = self.transcript.message_pins(self.messages, message)
-            self._check_pins_fit(message, pins)
+            pins = self._pins_at_commit(message)
             return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
                                           token_count=n, pins=pins.to_json())["seq"]
 
@@ -168,17 +167,27 @@ class Session:
         """Problems in the stored hash chain (empty when intact)."""
         return self.store.verify(self.id)
 
-    def _check_pins_fit(self, message: Message, pins: MessagePins) -> None:
-        """Refuse, before storing, a message whose pins alone could never fit a layer's history budget (with
-        ``pin_overflow: error`` and a fixed budget): stored, it would fail every later turn."""
+    def _pins_at_commit(self, message: Message) -> MessagePins:
+        """``message``'s pins, found once as it is committed; refused, before storing, when they alone could
+        never fit a layer's history budget (``pin_overflow: error``, a fixed budget): stored, such a message
+        would fail every later turn. The stored messages before it are read at most once."""
+        read: list[list[Message]] = []
+
+        def prefix() -> list[Message]:
+            if not read:
+                read.append(self.messages())
+            return read[0]
+
+        pins = self.transcript.message_pins(prefix, message)
         comp = self.policy.compression
         if comp.pin_overflow != "error" or comp.budget is None:
-            return
+            return pins
         room = min(layer_budgets(comp, self.runner.num_layers, comp.budget)) - comp.window
-        pinned = self.transcript.pinned_tokens(self.messages, message, pins)
+        pinned = self.transcript.pinned_tokens(prefix, message, pins)
         if pinned - 2 > room:  # its turn may tokenize the span's two ends a token apart
             raise AdmissionError("compression.budget", comp.budget, f"the {message.role} message alone pins "
                                  f"{pinned} tokens and a layer keeps {room} history tokens (pin_overflow: error)")
+        return pins
 
     def count_tokens(self, text: str) -> int:
         """Content tokens of ``text``, as admission counts them."""
@@ -201,8 +210,7 @@ class Session:
         n = self.admission.admit(message)
         with self.store.lock(self.id):
             self._sync()
-            pins = self.transcript.message_pins(self.messages, message)
-            self._check_pins_fit(message, pins)
+            pins = self._pins_at_commit(message)
             turn, row = self.store.begin_turn(self.id, message.content, message.name, self.policy.sha256,
                                               self.model_id, gen.record(), gen.seed, role=message.role,
                                               token_count=n, pins=pins.to_json())
