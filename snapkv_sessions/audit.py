@@ -160,6 +160,8 @@ class Mismatch:
 
     def __str__(self) -> str:
         where = f"turn {self.turn}" if self.turn is not None else "session"
+        if self.field in ("hash_chain", "turn_records"):  # found in the stored rows, before any re-execution
+            return f"{where}: {self.field}: {self.got}"
         return f"{where}: {self.field} differs (recorded {self.expected!r}, re-executed {self.got!r})"
 
 
@@ -172,17 +174,19 @@ class VerifyResult:
 
 
 def verify(store: SessionStore, session_id: str, model=None) -> VerifyResult:
-    """Hash chain, policy hashes, then a re-execution from the raw store compared turn by turn.
+    """Hash chain and seals, policy hashes, then a re-execution from the raw store compared turn by turn.
 
-    The first difference is reported: a reply, a kept-position set, a drift decision or the prefill tokens.
+    The first difference is reported: a reply, a kept-position set, a drift decision or the prefill tokens. A turn
+    record whose seal fails is re-executed too, so the field that differs is named; one that re-executes equal is
+    still reported (``turn_records``).
     """
-    problems = store.verify(session_id)
-    if problems:
-        return VerifyResult(False, 0, Mismatch(None, "hash_chain", None, problems[0]), problems)
     sess = store.get_session(session_id)
     policy = Policy.from_yaml(sess["policy_json"])
-    if policy.sha256 != sess["policy_sha256"]:
+    if policy.sha256 != sess["policy_sha256"]:  # named before the session row's seal, which it also breaks
         return VerifyResult(False, 0, Mismatch(None, "policy", sess["policy_sha256"], policy.sha256))
+    integrity = store.integrity(session_id)
+    if integrity.messages:  # nothing to re-execute from
+        return VerifyResult(False, 0, Mismatch(None, "hash_chain", None, integrity.messages[0]), integrity.problems)
     done = store.turns(session_id, status="done")
     for rec in done:
         if rec["policy_sha256"] != sess["policy_sha256"]:
@@ -192,7 +196,10 @@ def verify(store: SessionStore, session_id: str, model=None) -> VerifyResult:
         checked += 1
         mismatch = _compare(rec, new)
         if mismatch is not None:
-            return VerifyResult(False, checked, mismatch)
+            return VerifyResult(False, checked, mismatch, integrity.problems)
+    if integrity.turns:  # a turn record edited where re-execution does not look (a timing, a retention figure)
+        return VerifyResult(False, checked, Mismatch(None, "turn_records", None, integrity.turns[0]),
+                            integrity.problems)
     return VerifyResult(True, checked)
 
 

@@ -138,6 +138,8 @@ def test_verify_passes_then_names_what_was_altered(recorded):
                      .values(policy_json=sess["policy_json"].replace('"budget":64', '"budget":65')))
     res = CliRunner().invoke(main, ["replay", sid, "--db", db, "--verify"])
     assert res.exit_code == 1 and res.output.startswith("MISMATCH session: policy differs")
+    with store.engine.begin() as conn:  # put it back: each alteration is named on its own
+        conn.execute(update(schema.sessions).where(schema.sessions.c.id == sid).values(policy_json=sess["policy_json"]))
 
     # a stored message altered: the hash chain names it first
     with store.engine.begin() as conn:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import pg_store
 
 from snapkv_sessions import Session, SessionStore
 from snapkv_sessions.errors import ConfigError
@@ -188,35 +189,120 @@ def test_cli_store_errors_are_one_line_and_create_nothing(tmp_path):
     assert res.exit_code == 1 and "hash chain BROKEN" in res.output
 
 
-def test_verify_names_turn_and_message_edits():
-    """Single-row edits the hash chain alone misses: turns are checked against the messages they reference."""
+def _two_turn_session(store: SessionStore) -> str:
+    """A system message, two done turns and a trailing document no turn references (seqs 1..6)."""
+    sid = store.create_session("m", "{}", "p" * 64)
+    store.add_message(sid, "system", "Be brief.")
+    for q in ("One?", "Two?"):
+        turn, _ = store.begin_turn(sid, q, None, "p" * 64, "m", {}, None)
+        store.finish_turn(sid, turn, "Yes.", {"tokens_in": 1, "prefill_tokens": [1, 2], "kept_positions": b"k"}, [],
+                          {})
+    store.add_message(sid, "document", "Parcel 1 goes to Ada.")
+    assert store.verify(sid) == []
+    return sid
+
+
+def _rewind_last(sid: str):
+    """Two rows: delete the last message and rewind the session's head to the one before (the chain alone passes)."""
+    from sqlalchemy import delete, select, update
+
+    from snapkv_sessions.store import schema
+
+    m = schema.messages.c
+
+    def edit(conn) -> None:
+        prev = conn.execute(select(m.prev_hash).where(m.session_id == sid, m.seq == 6)).scalar()
+        conn.execute(delete(schema.messages).where(m.session_id == sid, m.seq == 6))
+        conn.execute(update(schema.sessions).where(schema.sessions.c.id == sid).values(head_hash=prev))
+    return edit
+
+
+def _row_edits():
+    """(an edit of the store, the problem verify() must name): each a single-row edit or deletion, but the last."""
     from sqlalchemy import delete, update
 
     from snapkv_sessions.store import schema
 
     m, t, s = schema.messages.c, schema.turns.c, schema.sessions.c
-    edits = [  # (the edit of one row, the problem verify() must name)
-        (lambda sid: delete(schema.messages).where(m.session_id == sid, m.seq == 5), "turn 2: its reply"),
-        (lambda sid: update(schema.messages).where(m.session_id == sid, m.seq == 2).values(status="abandoned"),
+
+    def one(stmt):
+        return lambda sid: lambda conn: conn.execute(stmt(sid))
+    return [
+        (one(lambda sid: delete(schema.messages).where(m.session_id == sid, m.seq == 5)), "turn 2: its reply"),
+        (one(lambda sid: delete(schema.messages).where(m.session_id == sid, m.seq == 3)), "expected seq 3"),
+        (one(lambda sid: update(schema.messages).where(m.session_id == sid, m.seq == 2).values(status="abandoned")),
          "turn 1 is done but its question is abandoned"),
-        (lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 1).values(status="pending"),
+        (one(lambda sid: update(schema.messages).where(m.session_id == sid, m.seq == 1).values(pinned=True)),
+         "message seq 1 (system): altered"),
+        (one(lambda sid: update(schema.messages).where(m.session_id == sid, m.seq == 6).values(status="abandoned")),
+         "message seq 6 (document): altered"),
+        (one(lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 1).values(status="pending")),
          "a pending turn is not the last turn"),
-        (lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 2).values(user_seq=2),
+        (one(lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 2).values(user_seq=2)),
          "turn 2: its question"),
-        (lambda sid: update(schema.sessions).where(s.id == sid).values(turns_done=1), "last done turn"),
+        (one(lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 1)
+             .values(prefill_tokens=[1, 3])), "turn 1: altered"),
+        (one(lambda sid: update(schema.turns).where(t.session_id == sid, t.turn == 1)
+             .values(kept_positions=b"j")), "turn 1: altered"),
+        (one(lambda sid: delete(schema.turns).where(t.session_id == sid, t.turn == 1)), "turn 1, which has no record"),
+        (one(lambda sid: update(schema.sessions).where(s.id == sid).values(turns_done=1)), "last done turn"),
+        (one(lambda sid: update(schema.sessions).where(s.id == sid).values(policy_json='{"x": 1}')),
+         "the session row: altered"),
+        (_rewind_last, "the session records 6 messages, the table holds 5"),
     ]
-    for edit, named in edits:
-        store = SessionStore("sqlite://")
-        sid = store.create_session("m", "{}", "p" * 64)
-        store.add_message(sid, "system", "Be brief.")
-        for q in ("One?", "Two?"):
-            turn, _ = store.begin_turn(sid, q, None, "p" * 64, "m", {}, None)
-            store.finish_turn(sid, turn, "Yes.", {"tokens_in": 1}, [], {})
-        assert store.verify(sid) == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgresql", marks=pytest.mark.service)])
+def test_verify_names_every_row_edit(backend, tmp_path):
+    """Any single-row edit or deletion in messages, turns or the session row is named; so is a deleted last message
+    whose head was rewound (the hash chain alone passes it: the session's sealed message count does not)."""
+    for i, (edit, named) in enumerate(_row_edits()):
+        store = pg_store() if backend == "postgresql" else SessionStore(f"sqlite:///{tmp_path / f'{i}.db'}")
+        sid = _two_turn_session(store)
         with store.engine.begin() as conn:
-            conn.execute(edit(sid))
+            edit(sid)(conn)
         problems = store.verify(sid)
         assert any(named in p for p in problems), (named, problems)
+        store.delete_session(sid)
+        store.engine.dispose()
+
+
+def test_a_keyed_seal_cannot_be_recomputed_without_the_key(tmp_path, monkeypatch):
+    """With a seal key, an editor who rewinds the head and recomputes the session row's keyless seal is still
+    caught; a store opened with another key says so once instead of naming every row."""
+    from sqlalchemy import select, update
+
+    from snapkv_sessions.store import schema
+    from snapkv_sessions.store.hashing import row_seal
+
+    monkeypatch.setenv("SNAPKV_SESSIONS_SEAL_KEY", "k" * 32)
+    url = f"sqlite:///{tmp_path / 'keyed.db'}"
+    store = SessionStore(url)
+    sid = _two_turn_session(store)
+    with store.engine.begin() as conn:
+        _rewind_last(sid)(conn)
+        conn.execute(update(schema.sessions).where(schema.sessions.c.id == sid).values(message_count=5))
+        row = conn.execute(select(schema.sessions).where(schema.sessions.c.id == sid)).mappings().first()
+        conn.execute(update(schema.sessions).where(schema.sessions.c.id == sid)
+                     .values(seal=row_seal(None, "sessions", row)))
+    assert store.verify(sid) == ["the session row: altered outside the store (its seal does not match)"]
+    other = SessionStore(url, seal_key=b"o" * 32)
+    assert other.verify(sid)[0].startswith("no row's seal matches: the store was sealed with another key")
+    with pytest.raises(ConfigError, match="seal_key"):
+        SessionStore(url, seal_key="short")
+
+
+def test_every_column_is_sealed_or_named_as_unsealed():
+    """A new column must be sealed (hashing.SEALED) or listed here with the reason it is not."""
+    from snapkv_sessions.store import schema
+    from snapkv_sessions.store.hashing import SEALED
+
+    unsealed = {"seal", "created_at", "updated_at", "finished_at",  # the seal, timestamps
+                "token_start", "token_end"}  # positions of the last prefill, rebuilt by the audit
+    for name in SEALED:
+        columns = {c.name for c in schema.metadata.tables[name].columns}
+        row_id = {"id"} if name != "sessions" else set()  # autoincrement ids; a session's id is its identity
+        assert columns - unsealed - row_id == set(SEALED[name]), name
 
 
 def test_a_message_whose_pins_never_fit_is_refused_at_commit(smollm2):

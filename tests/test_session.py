@@ -103,7 +103,8 @@ def test_altered_message_is_detected(smollm2, store):
         conn.execute(update(schema.messages).where(schema.messages.c.session_id == session.id,
                                                    schema.messages.c.seq == 2).values(content=DOC + " Parcel 9."))
     problems = session.verify()
-    assert problems == ["message seq 2 (document): content hash mismatch (altered)"]
+    assert problems == ["message seq 2 (document): content hash mismatch (altered)",
+                        "message seq 2 (document): altered outside the store (its seal does not match)"]
 
 
 @pytest.mark.parametrize("use_redis", [False, pytest.param(True, marks=pytest.mark.service)])

@@ -1,5 +1,5 @@
 """The raw store without a model: token counts stored at commit and summed for admission, the legacy backfill,
-thread ids through an index, and migration m002 on a database m001 created."""
+thread ids through an index, and migrations m002 and m003 on a database m001 created."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from snapkv_sessions.store.hashing import GENESIS, message_hash
 from snapkv_sessions.store.migrations import applied
 
 M002_COLUMNS = {"messages": {"token_count", "pins"}, "sessions": {"thread_id"}}
+M003_COLUMNS = {"messages": {"seal"}, "sessions": {"message_count", "seal"}, "turns": {"seal"}}
+LATER_COLUMNS = {t: M002_COLUMNS.get(t, set()) | M003_COLUMNS.get(t, set()) for t in ("messages", "sessions", "turns")}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.service)])
@@ -165,10 +167,10 @@ def test_bad_thread_id_is_refused(tmp_path, bad):
 
 
 def m001_metadata() -> MetaData:
-    """The tables as m001 created them before m002 existed: today's schema without m002's three columns."""
+    """The tables as m001 created them before m002 existed: today's schema without the columns m002 and m003 add."""
     meta = MetaData()
     for table in schema.metadata.sorted_tables:
-        drop = M002_COLUMNS.get(table.name, set())
+        drop = LATER_COLUMNS.get(table.name, set())
         cols: list[Column] = [c._copy() for c in table.columns if c.name not in drop]
         uniques = [UniqueConstraint(*(c.name for c in u.columns), name=u.name)
                    for u in table.constraints if isinstance(u, UniqueConstraint)]
@@ -204,17 +206,19 @@ def write_m001_database(url: str) -> str:
 
 
 def check_migrated(url: str, sid: str) -> None:
-    store = SessionStore(url)  # opening applies m002
+    store = SessionStore(url)  # opening applies m002 and m003
     insp = inspect(store.engine)
-    for table, cols in M002_COLUMNS.items():
+    for table, cols in LATER_COLUMNS.items():
         assert cols <= {c["name"] for c in insp.get_columns(table)}
     assert "ix_sessions_thread" in {i["name"] for i in insp.get_indexes("sessions")}
     with store.engine.connect() as conn:
-        assert set(conn.execute(select(applied.c.name)).scalars()) == {"m001_initial", "m002_counts_pins_threads"}
-    # the rows are kept, the chain intact, the new columns empty
+        assert set(conn.execute(select(applied.c.name)).scalars()) == {"m001_initial", "m002_counts_pins_threads",
+                                                                        "m003_seals"}
+    # the rows are kept, the chain intact, the rows counted and sealed, the other new columns empty
     assert [(m["role"], m["content"], m["token_count"], m["pins"]) for m in store.messages(sid)] == [
         ("system", "Be brief.", None, None), ("document", "Parcel 1 goes to Ada.", None, None)]
     assert store.verify(sid) == [] and store.get_session(sid)["thread_id"] is None
+    assert store.get_session(sid)["message_count"] == 2
     # the old session is usable: found by its title, counted once, and the chain goes on
     assert store.session_for_thread("old", legacy_title="langchain thread old") == sid
     assert store.set_token_counts(sid, {1: 3, 2: 7}) == 2
@@ -224,13 +228,13 @@ def check_migrated(url: str, sid: str) -> None:
     SessionStore(url).engine.dispose()  # reopening applies nothing twice
 
 
-def test_m001_sqlite_database_gets_m002_and_keeps_its_rows(tmp_path):
+def test_m001_sqlite_database_gets_m002_m003_and_keeps_its_rows(tmp_path):
     url = f"sqlite:///{tmp_path / 'old.db'}"
     check_migrated(url, write_m001_database(url))
 
 
 @pytest.mark.service
-def test_m001_postgresql_database_gets_m002_and_keeps_its_rows():
+def test_m001_postgresql_database_gets_m002_m003_and_keeps_its_rows():
     pg_store().engine.dispose()  # skips when no server
     name = f"m001_{uuid.uuid4().hex[:12]}"  # a schema of its own: the shared test database keeps today's tables
     admin = create_engine(PG_URL)

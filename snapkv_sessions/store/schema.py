@@ -35,6 +35,8 @@ sessions = Table(
     Column("head_hash", String(64), nullable=False),
     Column("meta", JSON, nullable=False, default=dict),
     Column("thread_id", String(256)),  # an agent framework's thread (LangChain's thread_id), m002
+    Column("message_count", Integer),  # messages in the chain, so a deleted last message shows, m003
+    Column("seal", String(64)),  # hashing.row_seal over the SEALED columns, m003
 )
 
 messages = Table(
@@ -56,6 +58,7 @@ messages = Table(
     Column("prev_hash", String(64), nullable=False),
     Column("hash", String(64), nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("seal", String(64)),  # m003
     UniqueConstraint("session_id", "seq", name="uq_messages_session_seq"),
 )
 
@@ -88,6 +91,7 @@ turns = Table(
     Column("stop_reason", String(16)),
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("finished_at", DateTime(timezone=True)),
+    Column("seal", String(64)),  # m003
     UniqueConstraint("session_id", "turn", name="uq_turns_session_turn"),
 )
 

@@ -20,9 +20,9 @@ from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, Ope
 
 from ..errors import ConfigError, SnapKVError
 from . import schema
-from .hashing import GENESIS, message_hash
+from .hashing import GENESIS, message_hash, row_seal
 from .locks import redis_lock, sql_lock
-from .migrations import migrate
+from .migrations import migrate, reseal
 
 
 class StoreError(SnapKVError, LookupError):
@@ -57,10 +57,36 @@ class _NewMessage:
     pins: dict | None = None  # pinned character ranges of its rendered span (MessagePins.to_json()), at commit
 
 
+@dataclass(frozen=True)
+class Integrity:
+    """What :meth:`SessionStore.integrity` found, in two parts: the audit re-executes a session whose messages
+    are intact even when a turn record is not, to name the field that differs."""
+
+    messages: list[str]  # the hash chain, the session row and the message rows: what a re-execution reads
+    turns: list[str]  # turn records against their seals and the messages they reference
+
+    @property
+    def problems(self) -> list[str]:
+        return self.messages + self.turns
+
+
 def _check_count(param: str, value: int | None) -> None:
     """A stored token count is a non-negative int (None: not counted, e.g. a caller without a tokenizer)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ConfigError(param, value, "must be a non-negative int or None")
+
+
+def _seal_key(key: str | bytes | None) -> bytes | None:
+    """The seal key given, else ``SNAPKV_SESSIONS_SEAL_KEY``, else None (keyless SHA-256 seals)."""
+    if key is None:
+        key = os.environ.get("SNAPKV_SESSIONS_SEAL_KEY") or None
+    if key is None:
+        return None
+    raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    if len(raw) < 16:
+        raise ConfigError("seal_key", "<hidden>", "must hold at least 16 bytes (it is a secret; "
+                          "set SNAPKV_SESSIONS_SEAL_KEY or pass seal_key)")
+    return raw
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:
@@ -117,18 +143,23 @@ class SessionStore:
     ----------
     url: SQLAlchemy URL; None for the embedded SQLite file (:func:`default_url`)
     redis_url: optional Redis for hot state and per-session locks; unreachable Redis only warns
+    must_exist: refuse to create a new SQLite file (read-only commands: a mistyped path is an error, not an
+        empty store)
+    seal_key: the secret that seals rows (HMAC-SHA256; see :mod:`.hashing`); default ``SNAPKV_SESSIONS_SEAL_KEY``,
+        else keyless SHA-256 seals. Every process writing or verifying one store uses the same key.
     """
 
-    def __init__(self, url: str | None = None, redis_url: str | None = None, *, must_exist: bool = False) -> None:
-        """``url``: an SQLAlchemy URL, or a plain file path (an SQLite database); ``must_exist``: refuse to
-        create a new SQLite file (read-only commands: a mistyped path is an error, not an empty store)."""
+    def __init__(self, url: str | None = None, redis_url: str | None = None, *, must_exist: bool = False,
+                 seal_key: str | bytes | None = None) -> None:
+        """``url``: an SQLAlchemy URL, or a plain file path (an SQLite database)."""
+        self._key = _seal_key(seal_key)
         self.url = _as_url(url) if url else default_url()
         if must_exist:
             _check_exists(self.url)
         try:
             self.engine = _make_engine(self.url)
             with self.engine.begin() as conn:
-                migrate(conn)
+                migrate(conn, self._key)
         except (ArgumentError, NoSuchModuleError, OperationalError, InterfaceError) as exc:
             raise StoreError(f"store={_shown(self.url)!r}: cannot open it ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0][:300]})") from None
@@ -199,8 +230,13 @@ class SessionStore:
             conn.execute(insert(schema.sessions).values(
                 id=sid, created_at=now, updated_at=now, model_id=model_id, policy_json=policy_json,
                 policy_sha256=policy_sha256, title=title, turns_done=0, head_hash=GENESIS, meta=meta or {},
-                thread_id=thread_id))
+                thread_id=thread_id, message_count=0))
+            self._reseal(conn, schema.sessions, schema.sessions.c.id == sid)
         return sid
+
+    def _reseal(self, conn: Connection, table, *where) -> None:
+        """Seal the rows just written, inside the transaction that wrote them."""
+        reseal(conn, table, self._key, *where)
 
     def session_for_thread(self, thread_id: str, *, model_id: str | None = None, policy_sha256: str | None = None,
                            legacy_title: str | None = None) -> str | None:
@@ -267,7 +303,9 @@ class SessionStore:
                    prev_hash=sess.head_hash, hash=digest, created_at=_now())
         conn.execute(insert(schema.messages).values(**row))
         conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
-                     .values(head_hash=digest, updated_at=row["created_at"]))
+                     .values(head_hash=digest, message_count=seq, updated_at=row["created_at"]))
+        self._reseal(conn, schema.messages, schema.messages.c.session_id == session_id, schema.messages.c.seq == seq)
+        self._reseal(conn, schema.sessions, schema.sessions.c.id == session_id)
         return row
 
     def add_message(self, session_id: str, role: str, content: str, name: str | None = None,
@@ -330,9 +368,12 @@ class SessionStore:
         done = 0
         with self.engine.begin() as conn:
             for seq, n in counts.items():
-                done += conn.execute(update(schema.messages)
-                                     .where(m.session_id == session_id, m.seq == seq, m.token_count.is_(None))
-                                     .values(token_count=n)).rowcount
+                changed = conn.execute(update(schema.messages)
+                                       .where(m.session_id == session_id, m.seq == seq, m.token_count.is_(None))
+                                       .values(token_count=n)).rowcount
+                if changed:
+                    self._reseal(conn, schema.messages, m.session_id == session_id, m.seq == seq)
+                done += changed
         return done
 
     # ------------------------------------------------------------------ turns (write-ahead)
@@ -353,6 +394,7 @@ class SessionStore:
             conn.execute(insert(schema.turns).values(
                 session_id=session_id, turn=turn, status="pending", user_seq=msg["seq"], policy_sha256=policy_sha256,
                 model_id=model_id, generation=generation, seed=seed, created_at=_now()))
+            self._reseal(conn, schema.turns, schema.turns.c.session_id == session_id, schema.turns.c.turn == turn)
         return turn, msg
 
     def finish_turn(self, session_id: str, turn: int, reply: str, record: dict, events: list[tuple[str, dict]],
@@ -378,6 +420,8 @@ class SessionStore:
                                                           payload=payload, created_at=_now()))
             conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
                          .values(turns_done=turn, updated_at=_now()))
+            self._reseal(conn, schema.turns, schema.turns.c.session_id == session_id, schema.turns.c.turn == turn)
+            self._reseal(conn, schema.sessions, schema.sessions.c.id == session_id)
         self._hot_set(session_id, turns_done=turn, head_hash=msg["hash"])
         return msg
 
@@ -404,6 +448,9 @@ class SessionStore:
                          .values(status="abandoned"))
             conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind="abandoned",
                                                       payload={"reason": reason}, created_at=_now()))
+            self._reseal(conn, schema.turns, schema.turns.c.id == row["id"])
+            self._reseal(conn, schema.messages, schema.messages.c.session_id == session_id,
+                         schema.messages.c.seq == row["user_seq"])
         return True
 
     def add_event(self, session_id: str, kind: str, payload: dict, turn: int | None = None) -> None:
@@ -430,47 +477,84 @@ class SessionStore:
     # ------------------------------------------------------------------ integrity
 
     def verify(self, session_id: str) -> list[str]:
-        """Re-hash every message in order; returns the problems found (empty when the chain is intact)."""
-        problems = []
-        prev = GENESIS
-        for i, msg in enumerate(self.messages(session_id), start=1):
-            if msg["seq"] != i:
-                problems.append(f"message seq {msg['seq']}: expected seq {i} (a message is missing)")
-            if msg["prev_hash"] != prev:
-                problems.append(f"message seq {msg['seq']}: prev_hash does not match the previous message")
-            digest = message_hash(msg["prev_hash"], msg["seq"], msg["role"], msg["name"], msg["content"])
-            if digest != msg["hash"]:
-                problems.append(f"message seq {msg['seq']} ({msg['role']}): content hash mismatch (altered)")
-            prev = msg["hash"]
-        if self.get_session(session_id)["head_hash"] != prev:
-            problems.append("session head_hash does not match the last message (truncated or altered)")
-        return problems + self._turn_problems(session_id)
+        """Every check of the stored rows; returns the problems found, each naming its row (empty when intact)."""
+        return self.integrity(session_id).problems
 
-    def _turn_problems(self, session_id: str) -> list[str]:
-        """Turns checked against the messages they reference: a deleted or altered row on either side shows."""
-        msgs = {m["seq"]: m for m in self.messages(session_id)}
-        turns = self.turns(session_id)
-        problems = []
-        for t in turns:
-            user, reply = msgs.get(t["user_seq"]), msgs.get(t["assistant_seq"])
-            where = f"turn {t['turn']}"
-            if user is None or user["role"] not in ("user", "tool") or user["turn"] != t["turn"]:
-                problems.append(f"{where}: its question (message seq {t['user_seq']}) is missing or not its own")
-            elif (user["status"] == "abandoned") != (t["status"] == "abandoned"):
-                problems.append(f"{where} is {t['status']} but its question is {user['status']}")
-            if t["status"] == "done" and (reply is None or reply["role"] != "assistant"
-                                          or t["assistant_seq"] != t["user_seq"] + 1):
-                problems.append(f"{where}: its reply (message seq {t['assistant_seq']}) is missing or misplaced")
-        if any(t["status"] == "pending" for t in turns[:-1]):
-            problems.append("a pending turn is not the last turn")
-        last_done = max((t["turn"] for t in turns if t["status"] == "done"), default=0)
-        recorded = self.get_session(session_id)["turns_done"]
-        if recorded != last_done:
-            problems.append(f"the session records turn {recorded} as its last done turn, the turns table {last_done}")
-        return problems
+    def integrity(self, session_id: str) -> Integrity:
+        """The hash chain over the messages' content, each row's seal (any other column edited), the session's
+        head and message count against the messages (a deleted last message), and the turns against the messages
+        they reference."""
+        session, messages, turns = self.get_session(session_id), self.messages(session_id), self.turns(session_id)
+        rows = [("sessions", session, "the session row"),
+                *(("messages", m, f"message seq {m['seq']} ({m['role']})") for m in messages)]
+        turn_rows = [("turns", t, f"turn {t['turn']}") for t in turns]
+        unsealed = self._unsealed(rows), self._unsealed(turn_rows)
+        if len(rows) + len(turn_rows) > 1 and sum(map(len, unsealed)) == len(rows) + len(turn_rows):
+            return Integrity(["no row's seal matches: the store was sealed with another key "
+                              "(SNAPKV_SESSIONS_SEAL_KEY) or every row was altered"], [])
+        return Integrity(_chain_problems(session, messages) + unsealed[0],
+                         unsealed[1] + _turn_problems(session, messages, turns))
+
+    def _unsealed(self, rows: list[tuple[str, dict, str]]) -> list[str]:
+        return [f"{what}: altered outside the store (its seal does not match)" for table, row, what in rows
+                if row["seal"] != row_seal(self._key, table, row)]
 
     def export(self, session_id: str) -> dict:
         """The whole session as plain data (kept-position blobs left out)."""
         turns = [{k: v for k, v in t.items() if k != "kept_positions"} for t in self.turns(session_id)]
         return {"session": self.get_session(session_id), "messages": self.messages(session_id), "turns": turns,
                 "events": self.events(session_id)}
+
+
+def _chain_problems(session: dict, messages: list[dict]) -> list[str]:
+    """Re-hash every message in order: an altered, missing or reordered message shows."""
+    problems = []
+    prev = GENESIS
+    for i, msg in enumerate(messages, start=1):
+        if msg["seq"] != i:
+            problems.append(f"message seq {msg['seq']}: expected seq {i} (a message is missing)")
+        if msg["prev_hash"] != prev:
+            problems.append(f"message seq {msg['seq']}: prev_hash does not match the previous message")
+        digest = message_hash(msg["prev_hash"], msg["seq"], msg["role"], msg["name"], msg["content"])
+        if digest != msg["hash"]:
+            problems.append(f"message seq {msg['seq']} ({msg['role']}): content hash mismatch (altered)")
+        prev = msg["hash"]
+    if session["head_hash"] != prev:
+        problems.append("session head_hash does not match the last message (truncated or altered)")
+    if session["message_count"] != len(messages):
+        problems.append(f"the session records {session['message_count']} messages, the table holds "
+                        f"{len(messages)} (a message was deleted or added outside the store)")
+    return problems
+
+
+def _turn_problems(session: dict, messages: list[dict], turns: list[dict]) -> list[str]:
+    """Turns checked against the messages they reference: a deleted or altered row on either side shows."""
+    msgs = {m["seq"]: m for m in messages}
+    numbered = {t["turn"] for t in turns}
+    problems = [f"message seq {m['seq']} belongs to turn {m['turn']}, which has no record (deleted)"
+                for m in messages if m["turn"] is not None and m["turn"] not in numbered]
+    problems += [f"turn {n} has no record (deleted)" for n in range(1, max(numbered, default=0))
+                 if n not in numbered and all(m["turn"] != n for m in messages)]
+    for t in turns:
+        problems += _one_turn_problems(t, msgs)
+    if any(t["status"] == "pending" for t in turns[:-1]):
+        problems.append("a pending turn is not the last turn")
+    last_done = max((t["turn"] for t in turns if t["status"] == "done"), default=0)
+    if session["turns_done"] != last_done:
+        problems.append(f"the session records turn {session['turns_done']} as its last done turn, the turns table "
+                        f"{last_done}")
+    return problems
+
+
+def _one_turn_problems(t: dict, msgs: dict[int, dict]) -> list[str]:
+    user, reply = msgs.get(t["user_seq"]), msgs.get(t["assistant_seq"])
+    where = f"turn {t['turn']}"
+    problems = []
+    if user is None or user["role"] not in ("user", "tool") or user["turn"] != t["turn"]:
+        problems.append(f"{where}: its question (message seq {t['user_seq']}) is missing or not its own")
+    elif (user["status"] == "abandoned") != (t["status"] == "abandoned"):
+        problems.append(f"{where} is {t['status']} but its question is {user['status']}")
+    if t["status"] == "done" and (reply is None or reply["role"] != "assistant"
+                                  or t["assistant_seq"] != t["user_seq"] + 1):
+        problems.append(f"{where}: its reply (message seq {t['assistant_seq']}) is missing or misplaced")
+    return problems
