@@ -45,6 +45,10 @@ class CompactLayer(DynamicLayer):
         self._k, self._v = k, v
         self._sync_views()
 
+    # Set by the runner for one tiered prefill forward (snapkv_sessions.tier): what the attention sees is then
+    # the layer's whole history (hot and cold, in true-position order) plus the new slots, a transient buffer.
+    attend_to = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -56,7 +60,14 @@ class CompactLayer(DynamicLayer):
         self._v[:, :, self.length : self.length + n] = value_states
         self.length += n
         self._sync_views()
+        if self.attend_to is not None:
+            return self.attend_to(self.keys, self.values)
         return self.keys, self.values
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from ``length`` on (a reply's decoded slots, fed again by the next turn)."""
+        self.length = min(self.length, length)
+        self._sync_views()
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Hold exactly these slots (after a compression): the buffer becomes them, capacity == length."""

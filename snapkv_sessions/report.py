@@ -27,6 +27,9 @@ class CompressionReport:
         (first 4 positions, the attention sinks, left out), averaged over layers and query heads; None on a
         first prefill. A candidate task-shift signal: little attention on the history may mean the evidence
         is not there.
+    tier: with the tiered memory, the turn's tier figures (:class:`~snapkv_sessions.tier.TierStats`: cold bytes
+        streamed, the largest transient union buffer, slots recalled from cold to hot) and the hot and cold
+        bytes after the compression; None without it.
     """
 
     context_tokens: int
@@ -44,6 +47,7 @@ class CompressionReport:
     kv_bytes_before: int = 0
     kv_bytes_after: int = 0
     history_attention: float | None = None
+    tier: dict | None = None
 
     @property
     def compressed(self) -> bool:

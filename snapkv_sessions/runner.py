@@ -7,6 +7,7 @@ state itself, so one loaded model serves many states.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -27,6 +28,7 @@ from .press import layer_budgets
 from .report import CompressionReport
 from .scorers import KeepRule, ScoreContext, Scorer, build_scorer, select_layer, word_ids
 from .state import KVState
+from .tier import ColdKV, UnionView, union
 from .transcript import TurnPlan, observation_window, to_ranges
 
 
@@ -182,27 +184,34 @@ class ModelRunner:
         """Give the model back its original attention implementation."""
         self.model.set_attn_implementation(self._original_attn)
 
-    def new_state(self) -> KVState:
+    def new_state(self, tiered: bool = False) -> KVState:
+        """An empty conversation state; ``tiered`` keeps what compression evicts in a host tier
+        (:mod:`snapkv_sessions.tier`), so every prefill sees the whole history."""
         if self.cache_kind == "compact":
-            return KVState(cache=CompactCache(self.num_layers))
+            return KVState(cache=CompactCache(self.num_layers), cold=ColdKV.empty(self.num_layers) if tiered else None)
+        if tiered:
+            raise ConfigError("cache", self.cache_kind, "the tiered memory needs the 'compact' cache")
         from transformers import DynamicCache
 
         return KVState(cache=DynamicCache(config=self.model.config))
 
     # ---------------------------------------------------------------- prefill / decode
 
-    def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None) -> torch.Tensor:
+    def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None, *, whole: bool = False) -> torch.Tensor:
+        """Feed ``ids`` at their true positions. ``whole``: a prefill of a tiered state, which attends to the whole
+        history (hot and cold); decode reads the hot cache alone."""
         start = state.next_position
         input_ids = torch.tensor([ids], device=self.device)  # (1, n)
         position_ids = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n) true positions
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            cache=state.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            snapkv_probe=probe,
-        )
+        with _whole_history(state) if whole else contextlib.nullcontext():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                cache=state.cache,
+                use_cache=True,
+                logits_to_keep=1,
+                snapkv_probe=probe,
+            )
         state.cache = out.cache
         return out.logits[0, -1]  # (V,)
 
@@ -247,7 +256,7 @@ class ModelRunner:
             if lo == hi:
                 continue
             last = hi == len(todo)
-            logits = self._forward(state, todo[lo:hi], probe if last else None)
+            logits = self._forward(state, todo[lo:hi], probe if last else None, whole=True)
             state.append(todo[lo:hi], todo_flags[lo:hi], self.num_kv_heads, self.device)
         return logits, probe
 
@@ -315,17 +324,19 @@ class ModelRunner:
         keep_mask = keep_host.to(self.device)  # (N,)
         window = probe.window
         budgets = layer_budgets(cfg, self.num_layers, state.next_position)
+        # a tiered state is compressed as a whole: hot and cold together, every position of the history
+        source = state if state.cold is None else UnionView(state, state.cold)
         report = CompressionReport(
             context_tokens=state.next_position,
             window=window,
             budgets=budgets,
-            tokens_before=state.cache_lengths(),
+            tokens_before=source.cache_lengths(),
             tokens_after=[],
             pinned_total=int(state.pinned.sum()),
             score_ms=probe.seconds * 1e3,
-            kv_bytes_before=state.kv_bytes(),
+            kv_bytes_before=source.kv_bytes(),
         )
-        history = self._history_attention(state, probe)  # a device scalar: read once, at the end
+        history = self._history_attention(source, probe)  # a device scalar: read once, at the end
         # the scorer the config names (snapkv_sessions.scorers): on CUDA the "snapkv" key builds the fused
         # Triton scorer, elsewhere the torch one (equal scores)
         scorer = build_scorer(cfg, ScoreContext(window, self.num_kv_heads, self.device, self.tokenizer))
@@ -335,19 +346,24 @@ class ModelRunner:
                         n_pinned=int(keep_host[: state.next_position - window].sum()))
         chosen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, K) slots to keep
         t0 = time.perf_counter()
-        for layer, lay in enumerate(state.cache.layers):
-            length = lay.keys.shape[-2]
+        for layer in range(self.num_layers):
+            length = source.positions[layer].shape[-1]
             if probe.scores[layer].shape[-1] != length:
                 raise ConfigError("probe", f"layer {layer}", "was recorded on another cache length; compress "
                                   "right after the prefill that observed")
             if length > budgets[layer]:
-                chosen[layer] = self._select(state, probe, scorer, rule, layer, budgets[layer])  # (B, Hkv, K)
+                chosen[layer] = self._select(source, probe, scorer, rule, layer, budgets[layer])  # (B, Hkv, K)
         t1 = time.perf_counter()
-        if chosen:  # a cache that fits every budget is left alone, and costs nothing
+        if isinstance(source, UnionView) and (chosen or source.cold.nbytes):
+            source.keep(chosen)  # hot: the chosen slots; cold: the rest
+        elif chosen:  # a cache that fits every budget is left alone, and costs nothing
             self._gather(state, chosen)
-            report.select_ms = (t1 - t0) * 1e3
-            report.gather_ms = (time.perf_counter() - t1) * 1e3
+        report.select_ms = (t1 - t0) * 1e3
+        report.gather_ms = (time.perf_counter() - t1) * 1e3
         self._fill_report(report, state, probe, history)
+        if state.cold is not None:
+            report.tier = {**state.cold.stats.to_dict(), "hot_bytes": state.kv_bytes(),
+                           "cold_bytes": state.cold.nbytes}
         state.reports.append(report)
         return report
 
@@ -389,7 +405,7 @@ class ModelRunner:
         report.history_attention = values[-1] if history is not None else None
         report.kv_bytes_after = state.kv_bytes()
 
-    def _select(self, state: KVState, probe: WindowProbe, scorer: Scorer, rule: KeepRule, layer: int,
+    def _select(self, state: KVState | UnionView, probe: WindowProbe, scorer: Scorer, rule: KeepRule, layer: int,
                 budget: int) -> torch.Tensor:
         """Sorted slot indices to keep in one layer, (B, Hkv, K): the shared top-k. No host synchronisation."""
         return select_layer(scorer, probe.scores[layer], state, layer, budget, rule)  # (B, Hkv, K)
@@ -401,7 +417,7 @@ class ModelRunner:
         return word_ids(self.tokenizer, state.token_ids, self.device)  # (N,)
 
     @staticmethod
-    def _history_attention(state: KVState, probe: WindowProbe, sinks: int = 4) -> torch.Tensor | None:
+    def _history_attention(state: KVState | UnionView, probe: WindowProbe, sinks: int = 4) -> torch.Tensor | None:
         """Window attention mass on the slots that predate this prefill, sinks excluded, mean over layers.
 
         A 0-d device tensor (not read here: the caller reads it with the rest of the report)."""
@@ -428,6 +444,10 @@ class ModelRunner:
             raise ConfigError("plan.first_position", plan.first_position, f"the state's next token goes to position "
                               f"{state.next_position + len(state.pending)}")
         t0 = time.perf_counter()
+        if state.cold is not None:
+            state.cold.begin_turn()
+            # the last reply's KV was decoded against the hot cache alone: feed it again, over the whole history
+            state.cold.rewind_reply(state)
         logits, probe = self.prefill(state, plan.tokens, pinned=plan.pinned_flags(), window=plan.window)
         result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=(time.perf_counter() - t0) * 1e3,
                             decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
@@ -436,6 +456,8 @@ class ModelRunner:
             result.report = self.compress(state, compression, probe, protect)
             result.protect_applied = protect is not None
             result.kept = list(state.positions)  # decode rebinds positions[l], so these stay as compressed
+        if state.cold is not None:
+            state.cold.decode_start = state.next_position
         return TurnRun(self, state, logits, gen, forced, result)
 
     def _protect_mask(self, state: KVState, plan: TurnPlan, cfg: CompressionConfig, window: int) -> torch.Tensor | None:
@@ -474,3 +496,27 @@ class ModelRunner:
             window = observation_window(compression.window, len(state.pending) + len(ids), first + len(ids))
         plan = TurnPlan(tokens=tuple(ids), first_position=first, pinned=to_ranges(flags, first), window=window)
         return self.run(state, plan, compression, gen).finish()
+
+
+@contextlib.contextmanager
+def _whole_history(state: KVState) -> Iterator[None]:
+    """For one forward of a tiered state: each layer attends to its hot and cold slots together
+    (:func:`snapkv_sessions.tier.union`), built when the layer runs and dropped after it."""
+    cold = state.cold
+    if cold is None or all(lay is None for lay in cold.layers):
+        yield
+        return
+    layers = state.cache.layers
+    for layer, lay in enumerate(layers):
+        if cold.layers[layer] is not None:
+            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], cold=cold, layer=layer)
+    try:
+        yield
+    finally:
+        for lay in layers:
+            lay.attend_to = None
+
+
+def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, cold: ColdKV,
+            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return union(keys, values, positions, cold.layers[layer], cold.stats)  # (B, Hkv, N + n, D) each

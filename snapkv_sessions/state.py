@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .report import CompressionReport
+from .tier import ColdKV
 
 
 @dataclass
@@ -30,6 +31,9 @@ class KVState:
         feeds them first.
     reports:
         One CompressionReport per compression, in order.
+    cold:
+        The tiered memory's host tier (:class:`~snapkv_sessions.tier.ColdKV`): what compression evicted, so
+        that every prefill sees the whole history; None when the state is not tiered.
     """
 
     cache: object
@@ -39,6 +43,7 @@ class KVState:
     pending: list[int] = field(default_factory=list)
     reports: list[CompressionReport] = field(default_factory=list)
     last_stop_reason: str | None = None
+    cold: ColdKV | None = None
 
     @property
     def next_position(self) -> int:

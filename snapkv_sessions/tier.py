@@ -1,0 +1,332 @@
+"""Tiered KV memory: what compression evicts waits in a host tier, and every turn's prefill sees all of it.
+
+The hot cache (``KVState.cache``, on the model's device) holds the budget and is what decode reads. A
+:class:`ColdKV` holds, per layer and KV head, every slot the last compression evicted, with its true position,
+in host memory (pinned on CUDA). Hot and cold together always hold every position of the history exactly once,
+so a turn's prefill can attend to all of it (:func:`union`, one layer at a time) and the compression can choose
+the new hot set from all of it (:class:`UnionView`): the turn then equals a fresh full prefill compressed with
+this turn's window ("re-prefill every turn"), without the re-prefill. The reply tokens, whose KV decode computed
+against the hot cache alone, are fed again with the next turn's tokens (:meth:`ColdKV.rewind_reply`).
+
+:class:`TierPool` caps the bytes all sessions of a process keep cold, drops (or spills to disk as safetensors)
+the least recently used session's tier first, and says why; a session whose tier is gone re-prefills from the
+store, which stays exact.
+
+Design after serving engines' host tiers (SGLang HiCache, LMCache) and RepairKV's recall of evicted tokens;
+the selection is SnapKV's (Li et al., 2024, arXiv:2404.14469).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass
+class TierStats:
+    """What the tier did during one turn (reset by :meth:`ColdKV.begin_turn`).
+
+    streamed_bytes: cold key+value bytes read into a transient union buffer (prefill and compression)
+    peak_transient_bytes: the largest union buffer held at once (one layer: its history plus the new tokens)
+    recalled: slots that came back from cold to hot in this turn's compression, all layers and heads
+    """
+
+    streamed_bytes: int = 0
+    peak_transient_bytes: int = 0
+    recalled: int = 0
+
+    def to_dict(self) -> dict:
+        return {"streamed_bytes": self.streamed_bytes, "peak_transient_bytes": self.peak_transient_bytes,
+                "recalled": self.recalled}
+
+
+@dataclass
+class ColdLayer:
+    """One layer's evicted slots, in host memory.
+
+    keys, values: (B, Hkv, C, D); positions: (B, Hkv, C) long, the true position of every slot, sorted.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+
+@dataclass
+class ColdKV:
+    """One session's cold tier: per layer, the slots its compressions evicted (None: nothing evicted yet).
+
+    ``lost`` says why the tier no longer holds the session (evicted by the pool's cap), after which the session
+    must re-prefill. ``decode_start``: the first true position a decode wrote to the hot cache (the reply), fed
+    again by the next turn.
+    """
+
+    layers: list[ColdLayer | None]
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    lost: str | None = None
+    decode_start: int | None = None
+    stats: TierStats = field(default_factory=TierStats)
+    spilled: Path | None = None
+
+    @classmethod
+    def empty(cls, num_layers: int) -> ColdKV:
+        return cls(layers=[None] * num_layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(lay.nbytes for lay in self.layers if lay is not None)
+
+    def begin_turn(self) -> None:
+        self.stats = TierStats()
+
+    def rewind_reply(self, state) -> int:
+        """Drop the last reply's decoded slots from the hot cache; their tokens go back to ``state.pending`` so
+        the next prefill computes their KV over the whole history. Returns how many tokens were rewound."""
+        start = self.decode_start
+        self.decode_start = None
+        if start is None or start >= state.next_position:
+            return 0
+        n = state.next_position - start
+        for layer, lay in enumerate(state.cache.layers):
+            lay.truncate(lay.length - n)  # decode appended them last, in every layer
+            state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)
+        state.pending = state.token_ids[start:] + state.pending
+        del state.token_ids[start:]
+        state.pinned = state.pinned[:start]
+        return n
+
+
+def _spread(slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``slots`` (B, Hkv, S, D) into ``out`` (B, Hkv, N, D) at their true ``positions`` (B, Hkv, S)."""
+    out.scatter_(2, positions[..., None].expand(-1, -1, -1, slots.shape[-1]), slots)
+
+
+def union(hot_keys: torch.Tensor, hot_values: torch.Tensor, hot_positions: torch.Tensor, cold: ColdLayer | None,
+          stats: TierStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's whole history in true-position order, plus the slots a forward just appended.
+
+    Parameters
+    ----------
+    hot_keys, hot_values : (B, Hkv, H + n, D): the hot slots, then ``n`` slots appended by this forward
+    hot_positions : (B, Hkv, H) true positions of the first H hot slots
+    cold : the layer's cold slots (B, Hkv, C, ...), or None
+
+    Returns
+    -------
+    keys, values (B, Hkv, H + C + n, D): slot ``p`` holds true position ``p`` for p < H + C (hot and cold
+    together hold every position of the history exactly once), then the ``n`` new slots. A transient buffer:
+    only the layer being computed holds one.
+    """
+    held = hot_positions.shape[-1]
+    n_cold = 0 if cold is None else cold.positions.shape[-1]
+    bsz, heads, total, dim = hot_keys.shape
+    out_k = hot_keys.new_empty(bsz, heads, total + n_cold, dim)  # (B, Hkv, H + C + n, D)
+    out_v = hot_values.new_empty(bsz, heads, total + n_cold, hot_values.shape[-1])
+    hist = held + n_cold
+    _spread(hot_keys[:, :, :held], hot_positions, out_k)
+    _spread(hot_values[:, :, :held], hot_positions, out_v)
+    if cold is not None:
+        device = hot_keys.device
+        cold_pos = cold.positions.to(device, non_blocking=True)  # (B, Hkv, C)
+        _spread(cold.keys.to(device, non_blocking=True), cold_pos, out_k)
+        _spread(cold.values.to(device, non_blocking=True), cold_pos, out_v)
+        stats.streamed_bytes += cold.nbytes
+    out_k[:, :, hist:] = hot_keys[:, :, held:]
+    out_v[:, :, hist:] = hot_values[:, :, held:]
+    stats.peak_transient_bytes = max(stats.peak_transient_bytes, 2 * out_k.numel() * out_k.element_size())
+    return out_k, out_v
+
+
+class _UnionLayer:
+    """A layer of :class:`UnionView`: its keys/values are the whole history, built on first access."""
+
+    def __init__(self, view: UnionView, layer: int) -> None:
+        self.view, self.layer = view, layer
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.view.merged(self.layer)[0]  # (B, Hkv, N, D)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.view.merged(self.layer)[1]  # (B, Hkv, N, D)
+
+
+class UnionView:
+    """A tiered state seen whole, for the compression: every layer holds every true position 0..N-1 in order.
+
+    Duck-types what scorers and the shared top-k read of a :class:`~snapkv_sessions.state.KVState` (positions,
+    token ids, pins, keys and values per layer). Only one layer's union is materialized at a time.
+    """
+
+    def __init__(self, state, cold: ColdKV) -> None:
+        self.state, self.cold = state, cold
+        self.token_ids, self.pinned, self.reports = state.token_ids, state.pinned, state.reports
+        first = state.positions[0]  # (B, Hkv, T)
+        ids = torch.arange(state.next_position, device=first.device)  # (N,)
+        self.positions = [ids.expand(*first.shape[:2], state.next_position)] * len(state.positions)  # (B, Hkv, N)
+        self.cache = self  # scorers read view.cache.layers[l].keys
+        self.layers = [_UnionLayer(self, layer) for layer in range(len(state.positions))]
+        self._memo: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def next_position(self) -> int:
+        return self.state.next_position
+
+    def cache_lengths(self) -> list[int]:
+        return [self.next_position] * len(self.layers)
+
+    def kv_bytes(self) -> int:
+        return self.state.kv_bytes() + self.cold.nbytes
+
+    def merged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole history (B, Hkv, N, D) keys and values; the previous layer's is released."""
+        if self._memo is None or self._memo[0] != layer:
+            self._memo = None  # release the previous layer's buffer before building this one
+            lay = self.state.cache.layers[layer]
+            self._memo = (layer, union(lay.keys, lay.values, self.state.positions[layer], self.cold.layers[layer],
+                                       self.cold.stats))
+        return self._memo[1]
+
+    def keep(self, chosen: dict[int, torch.Tensor]) -> None:
+        """Hot becomes the chosen true positions of each layer (all of them where a layer fits its budget);
+        cold becomes the rest, moved to host memory."""
+        state = self.state
+        for layer in range(len(self.layers)):
+            keys, values = self.merged(layer)  # (B, Hkv, N, D)
+            idx = chosen.get(layer)
+            if idx is None:
+                idx = self.positions[layer]  # the layer fits: every position back to hot
+            was_hot = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)  # (B, Hkv, N)
+            was_hot.scatter_(-1, state.positions[layer], True)
+            self.cold.stats.recalled += int((~was_hot.gather(-1, idx)).sum())
+            rows = idx[..., None].expand(-1, -1, -1, keys.shape[-1])  # (B, Hkv, K, D)
+            state.cache.layers[layer].replace(keys.gather(2, rows), values.gather(2, rows))
+            state.positions[layer] = idx
+            self.cold.layers[layer] = _evicted(keys, values, idx)
+        self._memo = None
+
+
+def _evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> ColdLayer | None:
+    """The slots of ``keys``/``values`` (B, Hkv, N, D) not in ``kept`` (B, Hkv, K), as a host :class:`ColdLayer`.
+
+    Every head keeps K slots, so every head evicts N - K: the cold part stays a dense tensor.
+    """
+    bsz, heads, total, dim = keys.shape
+    if kept.shape[-1] == total:
+        return None
+    gone = torch.ones(bsz, heads, total, dtype=torch.bool, device=keys.device)  # (B, Hkv, N)
+    gone.scatter_(-1, kept, False)
+    pos = gone.nonzero()[:, 2].view(bsz, heads, total - kept.shape[-1])  # (B, Hkv, C) sorted per head
+    rows = pos[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, C, D)
+    pin = keys.device.type == "cuda"
+    return ColdLayer(_host(keys.gather(2, rows), pin), _host(values.gather(2, rows), pin), _host(pos, pin))
+
+
+def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A host copy (page-locked on CUDA, so the next turn's copy back can be asynchronous)."""
+    if t.device.type == "cpu":
+        return t.contiguous()
+    return t.to("cpu", non_blocking=False).pin_memory() if pin else t.cpu()
+
+
+# ---------------------------------------------------------------------- the per-process pool
+
+
+def default_cap() -> int:
+    """A quarter of the host's physical memory (2 GiB when it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 2 << 30
+
+
+class TierPool:
+    """Every cold tier of a process, under one byte cap: the least recently used session's tier goes first.
+
+    With ``spill_dir`` an evicted tier is written there as safetensors and read back on its session's next
+    turn; without, it is dropped and its ``lost`` says why (the session then re-prefills from the store).
+    """
+
+    def __init__(self, max_bytes: int | None = None, spill_dir: str | Path | None = None) -> None:
+        self._lock = threading.Lock()
+        self._tiers: OrderedDict[str, ColdKV] = OrderedDict()  # least recently used first
+        self.configure(max_bytes, spill_dir)
+
+    def configure(self, max_bytes: int | None, spill_dir: str | Path | None) -> None:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 0):
+            raise ConfigError("memory.max_bytes", max_bytes, "must be a non-negative int or None")
+        self.max_bytes = default_cap() if max_bytes is None else max_bytes
+        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._tiers.values())
+
+    def touch(self, cold: ColdKV) -> None:
+        """``cold`` is in use now: most recent, and back in memory if it was spilled."""
+        with self._lock:
+            self._tiers[cold.key] = cold
+            self._tiers.move_to_end(cold.key)
+        if cold.spilled is not None:
+            _unspill(cold)
+
+    def release(self, cold: ColdKV) -> None:
+        with self._lock:
+            self._tiers.pop(cold.key, None)
+
+    def enforce(self) -> list[ColdKV]:
+        """Evict least recently used tiers until the pool fits its cap; returns those evicted."""
+        evicted = []
+        with self._lock:
+            while self._tiers and self.nbytes > self.max_bytes:
+                key, cold = next(iter(self._tiers.items()))
+                del self._tiers[key]
+                if self.spill_dir is not None:
+                    _spill(cold, self.spill_dir)
+                else:
+                    cold.layers = [None] * len(cold.layers)
+                    cold.lost = f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)"
+                evicted.append(cold)
+        return evicted
+
+
+def _spill(cold: ColdKV, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for i, lay in enumerate(cold.layers):
+        if lay is not None:
+            tensors |= {f"{i}.keys": lay.keys, f"{i}.values": lay.values, f"{i}.positions": lay.positions}
+    path = folder / f"cold-{cold.key}.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    cold.layers = [None] * len(cold.layers)
+    cold.spilled = path
+
+
+def _unspill(cold: ColdKV) -> None:
+    from safetensors.torch import load_file
+
+    path, cold.spilled = cold.spilled, None
+    tensors = load_file(str(path))
+    for i in range(len(cold.layers)):
+        if f"{i}.keys" in tensors:
+            cold.layers[i] = ColdLayer(tensors[f"{i}.keys"], tensors[f"{i}.values"], tensors[f"{i}.positions"])
+    path.unlink(missing_ok=True)
+
+
+POOL = TierPool()
