@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .policy import ROLES, Policy
+from .policy import ROLES, MemoryPolicy, Policy
 from .store import SessionStore
 from .store.blobs import unpack_positions
 from .transcript import TurnPlan
@@ -208,6 +208,8 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
     from .session import Session
 
     scratch = SessionStore("sqlite://")
+    if policy.memory is None:  # stored before the tiered memory existed: re-executed without it, as recorded
+        policy = policy.model_copy(update={"memory": MemoryPolicy(cold=False)})
     session = Session.create(model, policy=policy, store=scratch)
     by_user = {t["user_seq"]: t for t in done}
     skip = {t["assistant_seq"] for t in done}

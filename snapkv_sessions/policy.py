@@ -108,6 +108,24 @@ class RecoveryPolicy(_Strict):
     min_turns_between: int = Field(default=1, ge=0)
 
 
+class MemoryPolicy(_Strict):
+    """The tiered memory (:mod:`snapkv_sessions.tier`): what compression evicts waits in a host tier.
+
+    cold: keep evicted KV in the host tier, so every turn's prefill sees the whole history and the hot set is
+        chosen afresh from all of it (no re-prefill while the tier holds the session)
+    max_bytes: the cap on the cold bytes of all sessions of this process (least recently used evicted first);
+        None: a quarter of the host's memory. The last session created sets it.
+    spill_dir: write an evicted session's tier here (safetensors) instead of dropping it
+    on_shift: ``tier``: a detected task shift is served by the tier (no re-prefill while it holds the
+        session); ``reprefill``: drift decides re-prefills as without the tier
+    """
+
+    cold: bool = True
+    max_bytes: int | None = Field(default=None, ge=0)
+    spill_dir: str | None = None
+    on_shift: Literal["tier", "reprefill"] = "tier"
+
+
 class LimitsPolicy(_Strict):
     """Admission limits, checked (with the torch-free token counter) before any model work."""
 
@@ -125,6 +143,17 @@ class Policy(_Strict):
     drift: DriftPolicy = DriftPolicy()
     recovery: RecoveryPolicy = RecoveryPolicy()
     limits: LimitsPolicy = LimitsPolicy()
+    # None: not stated. A new session states the default (MemoryPolicy(), the tier on); a session stored before
+    # the tier existed has none and runs without it, so its policy hash and its replay stay as recorded.
+    memory: MemoryPolicy | None = None
+
+    def stated(self) -> Policy:
+        """This policy with every section stated, as a new session stores it (the tier on unless it says off)."""
+        return self if self.memory is not None else self.model_copy(update={"memory": MemoryPolicy()})
+
+    @property
+    def tiered(self) -> bool:
+        return self.memory is not None and self.memory.cold
 
     @model_validator(mode="after")
     def _sinks_fit(self) -> Policy:
@@ -175,7 +204,10 @@ class Policy(_Strict):
         return cls.from_yaml(path.read_text())
 
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        if data["memory"] is None:  # unstated: the JSON (and hash) of a policy written before the section existed
+            del data["memory"]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
     def sha256(self) -> str:

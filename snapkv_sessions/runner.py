@@ -354,12 +354,15 @@ class ModelRunner:
             if length > budgets[layer]:
                 chosen[layer] = self._select(source, probe, scorer, rule, layer, budgets[layer])  # (B, Hkv, K)
         t1 = time.perf_counter()
+        acted = bool(chosen)  # a cache that fits every budget is left alone, and costs nothing
         if isinstance(source, UnionView) and (chosen or source.cold.nbytes):
             source.keep(chosen)  # hot: the chosen slots; cold: the rest
-        elif chosen:  # a cache that fits every budget is left alone, and costs nothing
+            acted = True
+        elif chosen:
             self._gather(state, chosen)
-        report.select_ms = (t1 - t0) * 1e3
-        report.gather_ms = (time.perf_counter() - t1) * 1e3
+        if acted:
+            report.select_ms = (t1 - t0) * 1e3
+            report.gather_ms = (time.perf_counter() - t1) * 1e3
         self._fill_report(report, state, probe, history)
         if state.cold is not None:
             report.tier = {**state.cold.stats.to_dict(), "hot_bytes": state.kv_bytes(),

@@ -24,6 +24,7 @@ from .policy import Policy
 from .press import layer_budgets
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
+from .tier import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
 from .turn import Reply, TurnOutcome
 
@@ -66,6 +67,9 @@ class Session:
         self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
                                   subjects=policy.drift.new_subject)
         self.recovered: Reply | None = None
+        if policy.tiered:
+            POOL.configure(policy.memory.max_bytes, policy.memory.spill_dir)
+        self.state = None
         self._reset()
 
     @classmethod
@@ -77,7 +81,7 @@ class Session:
         if unknown:
             known = list(SessionOptions.__annotations__)
             raise ConfigError(unknown[0], options[unknown[0]], f"is not a Session option (one of {known})")
-        policy = Policy.load(policy)
+        policy = Policy.load(policy).stated()
         if not isinstance(store, SessionStore):
             store = SessionStore(store, redis_url=options.get("redis_url"))
         runner, model_id = runner_for(model)
@@ -122,7 +126,9 @@ class Session:
         self.turns_applied = 0
 
     def _restart_cache(self) -> None:
-        self.state = self.runner.new_state()
+        if self.state is not None and self.state.cold is not None:
+            POOL.release(self.state.cold)
+        self.state = self.runner.new_state(tiered=self.policy.tiered)
         self.transcript.reset()
 
     @property
@@ -245,6 +251,11 @@ class Session:
         if plan.reprefill:  # the store is the source of truth: the whole prompt is rebuilt from it
             self._restart_cache()
             self.drift.reset()
+        if self.state.cold is not None:
+            if self.state.cold.lost:  # only a live turn decides; a replay follows the record
+                raise StoreError(f"session_id={self.id!r}: the cold tier was lost ({self.state.cold.lost}) during "
+                                 "a replay; open the session again")
+            POOL.touch(self.state.cold)
         plan = self.transcript.attach(plan, msgs, self._context(user_seq, plan.reprefill))
         run = self.runner.run(self.state, plan, self.policy.compression, gen, forced)
         self.transcript.advance(plan)
@@ -260,6 +271,7 @@ class Session:
         events: list[tuple[str, dict]] = []
         if assessment.score is not None:
             events.append(("drift", {**assessment.to_dict(), "decision": decision}))
+        decision = self._tier_decision(decision, events)
         plan = self.transcript.plan(msgs, self._context(user_seq, decision == "reprefill"))
         run = self._execute(plan, msgs, user_seq, gen=gen)
         t_prefill = time.perf_counter()
@@ -296,11 +308,26 @@ class Session:
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
+        if state.cold is not None:
+            POOL.enforce()  # the least recently used tiers go first; this session's was just used
         self.last_reply = Reply(
             text=text.text, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
             completion_tokens=len(result.tokens), context_tokens=state.next_position + len(pending),
             cache_tokens=state.cache_lengths(), kept_per_role=kept_per_role, timings=out.timings, report=report,
             stop_reason=result.stop_reason, events=events)
+
+    def _tier_decision(self, decision: str, events: list[tuple[str, dict]]) -> str:
+        """With the tiered memory: a lost tier re-prefills (with an event saying why); a shift the tier holds is
+        served by it ("tiered") unless ``memory.on_shift`` asks for re-prefills."""
+        cold = self.state.cold
+        if cold is None:
+            return decision
+        if cold.lost:
+            events.append(("tier_lost", {"reason": cold.lost}))
+            return "reprefill"
+        if decision == "reprefill" and self.policy.memory.on_shift == "tier":
+            return "tiered"
+        return decision
 
     def _prior_reprefills(self) -> list[int]:
         """Turns that re-prefilled, in order (read only when a re-prefill is being decided)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,7 +263,8 @@ class TierPool:
 
     def __init__(self, max_bytes: int | None = None, spill_dir: str | Path | None = None) -> None:
         self._lock = threading.Lock()
-        self._tiers: OrderedDict[str, ColdKV] = OrderedDict()  # least recently used first
+        # least recently used first; weak, so a session that is dropped frees its tier with it
+        self._tiers: OrderedDict[str, weakref.ref[ColdKV]] = OrderedDict()
         self.configure(max_bytes, spill_dir)
 
     def configure(self, max_bytes: int | None, spill_dir: str | Path | None) -> None:
@@ -272,14 +274,17 @@ class TierPool:
         self.max_bytes = default_cap() if max_bytes is None else max_bytes
         self.spill_dir = Path(spill_dir) if spill_dir is not None else None
 
+    def _live(self) -> list[ColdKV]:
+        return [cold for ref in self._tiers.values() if (cold := ref()) is not None]
+
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._tiers.values())
+        return sum(t.nbytes for t in self._live())
 
     def touch(self, cold: ColdKV) -> None:
         """``cold`` is in use now: most recent, and back in memory if it was spilled."""
         with self._lock:
-            self._tiers[cold.key] = cold
+            self._tiers[cold.key] = weakref.ref(cold)
             self._tiers.move_to_end(cold.key)
         if cold.spilled is not None:
             _unspill(cold)
@@ -293,8 +298,11 @@ class TierPool:
         evicted = []
         with self._lock:
             while self._tiers and self.nbytes > self.max_bytes:
-                key, cold = next(iter(self._tiers.items()))
+                key, ref = next(iter(self._tiers.items()))
                 del self._tiers[key]
+                cold = ref()
+                if cold is None:
+                    continue
                 if self.spill_dir is not None:
                     _spill(cold, self.spill_dir)
                 else:

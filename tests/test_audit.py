@@ -18,7 +18,7 @@ from snapkv_sessions.store.blobs import pack_positions, unpack_positions
 
 DOC = " ".join(f"Parcel {1000 + i} goes to {name}." for i, name in enumerate(
     ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]))
-POLICY = {"compression": {"budget": 64, "window": 8}, "drift": {"threshold": 0.6}}
+POLICY = {"compression": {"budget": 64, "window": 8}, "drift": {"threshold": 0.6}, "memory": {"on_shift": "reprefill"}}
 
 
 def synthetic_session(store: SessionStore) -> str:

@@ -47,7 +47,7 @@ def test_condition_policies():
     assert full.compression.budget == 32768 and full.drift.embedder == "none"
     every = condition_policy("d_every_turn", 0.3, 16)
     assert every.compression.budget_ratio == 0.3 and every.drift.threshold == 0.0
-    assert set(CONDITIONS) == {"a_full", "b_snapkv", "c_drift", "d_every_turn"}
+    assert set(CONDITIONS) == {"a_full", "b_snapkv", "c_drift", "d_every_turn", "e_tiered"}
 
 
 def test_bench_shift_runs_on_smollm2(smollm2):
@@ -61,6 +61,10 @@ def test_bench_shift_runs_on_smollm2(smollm2):
     assert out["conditions"]["a_full"]["reprefills"] == 0 and out["conditions"]["b_snapkv"]["reprefills"] == 0
     # re-prefill every turn: every turn after the first re-prefills once something was evicted
     assert out["conditions"]["d_every_turn"]["reprefills"] == 9
+    # the tiered memory serves every turn without one, and its turns record the hot and cold bytes
+    assert out["conditions"]["e_tiered"]["reprefills"] == 0
+    assert all(r["tier"]["cold_bytes"] > 0 for r in out["turns"]["e_tiered"])
+    assert out["conditions"]["d_every_turn"]["agreement_with_every_turn"] == 1.0
     assert out["detector"]["labelled_turns"] == 9
     assert out["threshold_calibration"] == calibrate_threshold(range(1000, 1004))
     assert out["drift_threshold"] == out["threshold_calibration"]["threshold"]

@@ -12,7 +12,9 @@ from snapkv_sessions.drift import WorkingSet, evidence_missing, key_terms, make_
 DOC = " ".join(f"Parcel {1000 + i} goes to {name}." for i, name in enumerate(
     ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]))
 SYSTEM = "Be brief."
+# these tests pin down drift re-prefills: shifts are re-prefilled even with the tiered memory on
 POLICY = {"compression": {"budget": 64, "window": 8}, "pins": {"roles": ["system"], "sink_tokens": 4},
+          "memory": {"on_shift": "reprefill"},
           "drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"}}
 
 

@@ -2,8 +2,8 @@
 
 quality: single-turn document lookup, exact copy of a line, compliance with a format rule placed in each role
 (system, developer, tool schema, user, document), and multi-turn task switching; compared across the full cache,
-this project's session (pins + drift re-prefill), StreamingLLM (sinks + recent window) and per-turn SnapKV
-without pins or recovery.
+this project's session (pins + drift re-prefill), the session with the tiered memory, StreamingLLM (sinks +
+recent window) and per-turn SnapKV without pins or recovery.
 
 knee: accuracy against budget for lookups and copies at two prompt lengths; the smallest budget within 2 points
 of the full cache; the rate of degenerate output; and whether span-aware selection moves the knee at 10%.
@@ -35,12 +35,17 @@ ROLE_SPLITS = ("system", "developer", "tool_schema", "user", "document")
 def method_policy(method: str, ratio: float, window: int) -> Policy:
     comp = {"budget_ratio": ratio, "window": window, "kernel": 7}
     no_pins = {"roles": [], "sink_tokens": 0, "keep_question": False}
+    no_tier = {"cold": False}
+    session = {"compression": comp, "pins": {"roles": ["system", "developer", "tool_schema"]},
+               "drift": {"embedder": "minilm", "threshold": 0.75, "action": "reprefill"}}
     specs = {
-        "full": {"compression": {"budget": 32768, "window": window}, "drift": {"embedder": "none"}},
-        "session": {"compression": comp, "pins": {"roles": ["system", "developer", "tool_schema"]},
-                    "drift": {"embedder": "minilm", "threshold": 0.75, "action": "reprefill"}},
-        "streaming": {"compression": {**comp, "method": "streaming"}, "pins": no_pins, "drift": {"embedder": "none"}},
-        "snapkv": {"compression": comp, "pins": no_pins, "drift": {"embedder": "none"}},
+        "full": {"compression": {"budget": 32768, "window": window}, "drift": {"embedder": "none"},
+                 "memory": no_tier},
+        "session": {**session, "memory": no_tier},
+        "tiered": {**session, "memory": {"cold": True, "on_shift": "tier"}},  # the session with the tiered memory
+        "streaming": {"compression": {**comp, "method": "streaming"}, "pins": no_pins, "drift": {"embedder": "none"},
+                      "memory": no_tier},
+        "snapkv": {"compression": comp, "pins": no_pins, "drift": {"embedder": "none"}, "memory": no_tier},
     }
     return Policy.from_dict({"name": method, **specs[method]})
 
@@ -120,7 +125,7 @@ def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
 
 def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, records: int = 40, log=print) -> dict:
     t0 = time.perf_counter()
-    rows = {m: [] for m in ("full", "session", "streaming", "snapkv")}
+    rows = {m: [] for m in ("full", "session", "tiered", "streaming", "snapkv")}
     for i, item in enumerate(items(n, records)):
         for method in rows:
             rows[method].append(run_item(runner, item, method_policy(method, ratio, window), max_new_tokens))

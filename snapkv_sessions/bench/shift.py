@@ -1,7 +1,8 @@
 """``bench shift``: multi-turn sessions over long documents where later turns follow up, ask about other
 records, or switch task. Compares (a) full cache, (b) per-turn SnapKV without recovery, (c) SnapKV with drift
-re-prefill, (d) re-prefill every turn; reports accuracy, re-prefills, degeneration, and the detector's
-precision and recall on labelled follow-up versus shift turns.
+re-prefill, (d) re-prefill every turn, (e) the tiered memory (evicted KV kept in the host tier, no re-prefill);
+reports accuracy, re-prefills, degeneration, agreement with (d) turn by turn (the best any selection does at
+the budget), and the detector's precision and recall on labelled follow-up versus shift turns.
 """
 
 from __future__ import annotations
@@ -154,12 +155,18 @@ def calibrate_threshold(seeds: range, grid_step: float = 0.01, margin: float = 0
             "best_range": [lo, hi], "threshold": chosen, "at_lowest_best": {"tp": at[2], "fp": at[3], "fn": at[4]}}
 
 
+NO_TIER = {"cold": False}
 CONDITIONS = {
-    "a_full": {"compression": {"budget": 32768, "window": 32}, "drift": {"embedder": "none"}},
-    "b_snapkv": {"drift": {"embedder": "none"}},
-    "c_drift": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"}},  # threshold: run()
+    "a_full": {"compression": {"budget": 32768, "window": 32}, "drift": {"embedder": "none"}, "memory": NO_TIER},
+    "b_snapkv": {"drift": {"embedder": "none"}, "memory": NO_TIER},
+    "c_drift": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"},  # threshold: run()
+                "memory": NO_TIER},
     "d_every_turn": {"drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
-                     "recovery": {"min_turns_between": 0}},
+                     "recovery": {"min_turns_between": 0}, "memory": NO_TIER},
+    # the tiered memory: evicted KV waits in the host tier; drift is still assessed (and recorded), but a shift
+    # is served by the tier ("tiered") instead of a re-prefill
+    "e_tiered": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"},
+                 "memory": {"cold": True, "on_shift": "tier"}},
 }
 
 
@@ -167,7 +174,7 @@ def condition_policy(name: str, ratio: float, window: int, threshold: float | No
     base = {"name": name, "compression": {"budget_ratio": ratio, "window": window, "kernel": 7},
             "pins": {"roles": ["system"], "sink_tokens": 4}}
     spec = copy.deepcopy(CONDITIONS[name])
-    if name == "c_drift" and threshold is not None:
+    if name in ("c_drift", "e_tiered") and threshold is not None:
         spec["drift"]["threshold"] = threshold
     base["compression"].update(spec.pop("compression", {}))
     if "budget" in base["compression"]:
@@ -199,6 +206,7 @@ def run_session(runner, scenario: Scenario, policy: Policy, max_new_tokens: int)
             "history_attention": reply.report.history_attention if reply.report else None,
             "reprefill_ms": reprefill["ms"] if reprefill else None,
             "turn_ms": (time.perf_counter() - t0) * 1e3, "context": reply.context_tokens, "reply": reply.text.strip(),
+            "tokens": reply.token_ids, "tier": reply.report.tier if reply.report else None,
         })
     return rows
 
@@ -316,12 +324,15 @@ def run(model_name: str, sessions: int, ratios: list[float], window: int, max_ne
             rows = run_session(runner, sc, condition_policy(name, chosen, window, threshold), max_new_tokens)
             per_condition[name] += [{**r, "threshold": threshold} for r in rows] if name == "c_drift" else rows
             log(f"session {i} {name}: {summarise(per_condition[name])}")
+    conditions = {name: summarise(rows) for name, rows in per_condition.items()}
+    for name, rows in per_condition.items():  # the best any selection does at the budget: re-prefill every turn
+        conditions[name]["agreement_with_every_turn"] = agreement(rows, per_condition["d_every_turn"])
     return {
         "benchmark": "shift", "model": model_name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "sessions": sessions, "turns_per_session": len(scenarios[0].turns), "window": window,
         "max_new_tokens": max_new_tokens, "budget_ratio": chosen, "single_turn_budget_search": budget,
         "drift_threshold": threshold, "threshold_calibration": calib,
-        "conditions": {name: summarise(rows) for name, rows in per_condition.items()},
+        "conditions": conditions,
         "detector": detector_quality(per_condition["c_drift"]),
         "second_signal": second_signal(per_condition["b_snapkv"], per_condition["c_drift"]),
         "minutes": round((time.perf_counter() - t0) / 60, 1),
@@ -329,13 +340,21 @@ def run(model_name: str, sessions: int, ratios: list[float], window: int, max_ne
     }
 
 
+def agreement(rows: list[dict], reference: list[dict]) -> float:
+    """Share of turns whose reply tokens equal the reference condition's on the same scenario and turn."""
+    same = [a["tokens"] == b["tokens"] for a, b in zip(rows, reference, strict=True)]
+    return round(sum(same) / len(same), 3)
+
+
 def table(result: dict) -> str:
-    head = f"{'condition':<14} {'accuracy':>8} {'after t1':>8} {'re-prefills':>11} {'re-prefill ms':>13} {'degenerate':>10}"
+    head = (f"{'condition':<14} {'accuracy':>8} {'after t1':>8} {'re-prefills':>11} {'re-prefill ms':>13} "
+            f"{'degenerate':>10} {'= every turn':>12} {'turn ms':>8}")
     lines = [head, "-" * len(head)]
     for name, c in result["conditions"].items():
         ms = "-" if c["reprefill_ms_median"] is None else f"{c['reprefill_ms_median']:.0f}"
         lines.append(f"{name:<14} {c['accuracy']:>8.3f} {c['accuracy_after_first']:>8.3f} {c['reprefills']:>11} "
-                     f"{ms:>13} {c['degenerate_rate']:>10.3f}")
+                     f"{ms:>13} {c['degenerate_rate']:>10.3f} {c.get('agreement_with_every_turn', 0):>12.3f} "
+                     f"{c.get('turn_ms_median', 0):>8.0f}")
     d = result["detector"]
     lines.append(f"detector (c): precision {d['precision']} recall {d['recall']} on {d['labelled_turns']} labelled turns")
     lines.append(f"detector (c) caught shifts by signal: {d['caught_by']}")
