@@ -212,6 +212,9 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
         policy = policy.model_copy(update={"memory": MemoryPolicy(cold=False)})
     session = Session.create(model, policy=policy, store=scratch)
     by_user = {t["user_seq"]: t for t in done}
+    # a tier lost to the byte cap depends on the process, not on the session: the re-execution loses it where
+    # the live turn did, so that turn re-prefills as recorded
+    lost = {e["turn"]: e["payload"]["reason"] for e in store.events(session_id) if e["kind"] == "tier_lost"}
     skip = {t["assistant_seq"] for t in done}
     for msg in store.messages(session_id):
         if msg["status"] != "active" or msg["seq"] in skip:
@@ -221,6 +224,8 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
             scratch.add_message(session.id, msg["role"], msg["content"], msg["name"], msg["pinned"])
             continue
         gen = {k: v for k, v in (rec["generation"] or {}).items() if v is not None}
+        if rec["turn"] in lost and session.state.cold is not None:
+            session.state.cold.drop(lost[rec["turn"]])
         session.chat({"role": msg["role"], "content": msg["content"], "name": msg["name"]}, **gen)
         yield rec, scratch.turns(session.id)[-1]
 

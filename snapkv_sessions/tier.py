@@ -89,6 +89,11 @@ class ColdKV:
     def nbytes(self) -> int:
         return sum(lay.nbytes for lay in self.layers if lay is not None)
 
+    def drop(self, reason: str) -> None:
+        """Forget the evicted slots; the session's next turn re-prefills and records ``reason``."""
+        self.layers = [None] * len(self.layers)
+        self.lost = reason
+
     def begin_turn(self) -> None:
         self.stats = TierStats()
 
@@ -306,8 +311,7 @@ class TierPool:
                 if self.spill_dir is not None:
                     _spill(cold, self.spill_dir)
                 else:
-                    cold.layers = [None] * len(cold.layers)
-                    cold.lost = f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)"
+                    cold.drop(f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)")
                 evicted.append(cold)
         return evicted
 
