@@ -28,7 +28,8 @@ def _owners(rec: dict) -> tuple[tuple[int, int, int], ...]:
 
 
 def turn_rows(store: SessionStore, session_id: str) -> list[dict]:
-    """One row per turn: context, kept tokens, kept share per role, retention, drift, timings, KV bytes."""
+    """One row per turn: context, kept tokens, kept share per role, retention, drift, timings, KV bytes, and the
+    tiered memory's hot, cold, streamed and recalled figures."""
     events = store.events(session_id)
     rows = []
     for t in store.turns(session_id):
@@ -50,6 +51,9 @@ def turn_rows(store: SessionStore, session_id: str) -> list[dict]:
             "compression_ms": timings.get("compression_ms"), "prefill_ms": timings.get("prefill_ms"),
             "decode_ms": timings.get("decode_ms"),
             "kv_bytes_before": comp.get("kv_bytes_before"), "kv_bytes_after": comp.get("kv_bytes_after"),
+            # the tiered memory: hot and cold bytes after the compression, cold bytes streamed through the turn's
+            # prefill and compression, and slots recalled from cold to hot (None without the tier)
+            "tier": comp.get("tier"),
         })
     return rows
 

@@ -147,6 +147,26 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
         click.echo(speed.table(result))
 
 
+@bench.command("tier")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--lengths", default="4096", show_default=True, help="Comma-separated context lengths.")
+@click.option("--ratio", default=0.2, show_default=True, help="Budget ratio of the hot cache.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--new-tokens", default=50, show_default=True, help="New tokens per turn.")
+@click.option("--repeats", default=3, show_default=True, help="Turns timed per length.")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True)
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_tier(model, lengths, ratio, window, new_tokens, repeats, dtype, out, as_json) -> None:
+    """A turn on the tiered memory against a re-prefill, side by side: time, kept set, hot and cold bytes."""
+    from .bench import tier
+
+    quiet_loaders()
+    result = tier.run(model, [int(x) for x in lengths.split(",")], ratio, window, new_tokens, repeats, dtype)
+    _emit(result, out, as_json, tier.table)
+
+
 @bench.command("quality")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--items", "n_items", default=5, show_default=True,
@@ -329,6 +349,15 @@ def _fmt(value, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _kv_cells(row: dict, kv: str, tiered: bool) -> list[str]:
+    tier = row.get("tier")
+    if not tiered:
+        return [kv]
+    if not tier:
+        return [kv, "-", "-"]
+    return [f"{tier['hot_bytes']:,}/{tier['cold_bytes']:,}", f"{tier['streamed_bytes']:,}", str(tier["recalled"])]
+
+
 def _replay_table(rows: list[dict]) -> str:
     from rich.console import Console
     from rich.table import Table
@@ -336,6 +365,9 @@ def _replay_table(rows: list[dict]) -> str:
     table = Table(title=None, box=None, pad_edge=False)
     cols = ["turn", "context", "kept", "system", "developer", "tool_schema", "document", "user", "assistant",
             "layer min..max", "drift", "decision", "comp ms", "prefill ms", "decode ms", "KV bytes"]
+    tiered = any(r.get("tier") for r in rows)
+    if tiered:  # hot/cold bytes after the turn, cold bytes streamed, slots recalled from cold to hot
+        cols = cols[:-1] + ["hot/cold KV", "streamed", "recalled"]
     for col in cols:
         table.add_column(col, justify="right" if col not in ("decision",) else "left")
     for r in rows:
@@ -347,7 +379,7 @@ def _replay_table(rows: list[dict]) -> str:
         table.add_row(str(r["turn"]), _fmt(r["context_tokens"]), kept,
                       *[("-" if k not in roles else f"{roles[k]:.0%}") for k in cols[3:9]], ret,
                       _fmt(r["drift_score"], ".3f"), decision or "-", _fmt(r["compression_ms"], ".1f"),
-                      _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), kv)
+                      _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), *_kv_cells(r, kv, tiered))
     console = Console(width=200, record=True, color_system=None, highlight=False, soft_wrap=True)
     with console.capture() as cap:
         console.print(table)
