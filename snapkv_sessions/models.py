@@ -108,7 +108,23 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(target)
     if path.exists() or key.startswith((".", "/", "~")):
         raise ModelResolveError(f"model={key!r}: not a model folder, a .gguf file or a bundle name {list(BUNDLES)}")
-    return key  # a hub id: from_pretrained looks in the local hub cache
+    _check_hub_cache(key)
+    return key  # a hub id in the local hub cache: from_pretrained loads it from there
+
+
+def _check_hub_cache(key: str) -> None:
+    """Refuse a hub id that is not in the local Hugging Face cache before transformers is asked for it: its
+    loaders may look the hub up (a DNS lookup, retries) even with ``local_files_only``."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = try_to_load_from_cache(key, "config.json")
+    except HFValidationError:
+        found = None
+    if not isinstance(found, str):
+        raise ModelResolveError(f"model={key!r}: cannot load it offline (not in the local Hugging Face cache); give "
+                                f"a local folder, a .gguf file or one of the bundles {list(BUNDLES)}")
 
 
 def _resolve_bundle(bundle: Bundle) -> Path:

@@ -146,7 +146,7 @@ def test_admission_refuses_past_the_models_context(smollm2):
 
 
 def test_a_missing_model_fails_fast_without_the_network(monkeypatch):
-    """A name that is neither a bundle nor a local folder never reaches for a hub (no socket is opened)."""
+    """A name that is neither a bundle nor a local folder never reaches for a hub: no DNS lookup, no socket."""
     import socket
 
     from snapkv_sessions.errors import ModelResolveError
@@ -158,7 +158,12 @@ def test_a_missing_model_fails_fast_without_the_network(monkeypatch):
         attempts.append(address)
         raise OSError("no network in this test")
 
+    def no_dns(host, *args, **kwargs):
+        attempts.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "no network in this test")
+
     monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
     with pytest.raises(ModelResolveError, match=r"^model='no-such-org/no-such-model': cannot load it offline"):
         load_model("no-such-org/no-such-model")
     assert attempts == []

@@ -236,7 +236,10 @@ class ChatSnapKV(BaseChatModel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # After pydantic, so that a bad policy raises the library's PolicyError, not a wrapped ValidationError.
-        self._policy = Policy.load(self.policy)
+        given = Policy.load(self.policy)
+        self._policy = given.stated()  # as a new session stores it
+        # a thread's session may predate the tiered memory: stored under the policy as it was given then
+        self._legacy_sha = given.sha256 if given.memory is None else None
 
     # ------------------------------------------------------------------ LangChain metadata
 
@@ -346,6 +349,9 @@ class ChatSnapKV(BaseChatModel):
         store = self._session_store()
         sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=self._policy.sha256,
                                        legacy_title=self._title(thread_id))
+        if sid is None and self._legacy_sha is not None:
+            sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=self._legacy_sha,
+                                           legacy_title=self._title(thread_id))
         return None if sid is None else Session.open(sid, model=self.model, store=store)
 
     def _stored_keys(self, session: Session, tools: list[str] | None) -> list[tuple]:
