@@ -37,6 +37,9 @@ def test_method_policies():
     assert method_policy("snapkv", 0.3, 16).pins.roles == ()
     assert method_policy("session", 0.3, 16).pins.roles == ("system", "developer", "tool_schema")
     assert method_policy("full", 0.3, 16).compression.budget == 32768
+    # the tiered method is the session with the tier; every other method runs without it
+    assert method_policy("tiered", 0.3, 16).tiered and not method_policy("session", 0.3, 16).tiered
+    assert method_policy("tiered", 0.3, 16).pins == method_policy("session", 0.3, 16).pins
 
 
 def test_quality_and_knee_small_runs(smollm2, tmp_path):
@@ -45,7 +48,7 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
                                     "--plot", str(tmp_path / "quality.png")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["items"] == 8 and set(out["summary"]) == {"full", "session", "streaming", "snapkv"}
+    assert out["items"] == 8 and set(out["summary"]) == {"full", "session", "tiered", "streaming", "snapkv"}
     assert set(out["summary"]["full"]["by_task_split"]) == {"lookup/document", "copy/document", "switch/document",
                                                             *(f"rule/{r}" for r in ("system", "developer",
                                                                                      "tool_schema", "user",
