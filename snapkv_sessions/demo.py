@@ -1,7 +1,8 @@
 """The scripted demo behind ``snapkv-sessions demo``: a multi-turn Session on the embedded SQLite store.
 
 A short delivery list, four questions: a lookup, a follow-up on the same record (the cache is kept), a lookup of
-another record (a new subject: drift re-prefills the evicted list from the store) and a summary (a task shift).
+another record (a new subject) and a summary (a task shift): drift sees both, and the tiered memory serves them
+from what compression evicted, without a re-prefill.
 Every turn compresses the cache to the budget. Each question's expected fact is part of the script, so a wrong
 answer shows.
 """
@@ -37,8 +38,8 @@ class Question:
 QUESTIONS = [
     Question("Who delivers Maria's parcel?", "Tom", "a lookup"),
     Question("And which depot does Maria's parcel leave from?", "Oslo", "a follow-up: the compressed cache is kept"),
-    Question("Who delivers Tariq's parcel?", "Sam", "another record, likely evicted: drift re-prefills"),
-    Question("Summarise in one sentence what this whole list is about.", "parcel", "a task shift: drift re-prefills"),
+    Question("Who delivers Tariq's parcel?", "Sam", "another record, likely evicted: the tier brings it back"),
+    Question("Summarise in one sentence what this whole list is about.", "parcel", "a task shift: the tier serves it"),
 ]
 
 
@@ -84,6 +85,9 @@ def run_demo(model_name: str, policy: Policy, db: str | None, max_new_tokens: in
             "prefill_ms": round(reply.timings["prefill_ms"], 1),
             "decode_ms": round(reply.timings["decode_ms"], 1),
             "reprefill": any(kind == "reprefill" for kind, _ in reply.events),
+            # "tiered": drift saw a shift and the tiered memory served it (no re-prefill)
+            "decision": session.store.turns(session.id)[-1]["drift_decision"],
+            "cold_bytes": rep.tier["cold_bytes"] if rep and rep.tier else None,
             "kv_bytes_before": rep.kv_bytes_before if rep else None,
             "kv_bytes_after": rep.kv_bytes_after if rep else None,
         }
