@@ -168,6 +168,21 @@ def bench_tier(model, lengths, ratio, window, new_tokens, repeats, dtype, out, a
     _emit(result, out, as_json, tier.table)
 
 
+@bench.command("detector")
+@click.option("--scenarios", default=40, show_default=True, help="Scenarios per kind and shape.")
+@click.option("--threshold", default=None, type=float, help="Also score at this drift threshold.")
+@click.option("--calibration", default=40, show_default=True, help="Held-out scenarios per cell for the threshold.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_detector(scenarios, threshold, calibration, out, as_json) -> None:
+    """Drift detector precision and recall by shape (document as a message or pasted) and record kind."""
+    from .bench import detector
+
+    quiet_loaders()
+    _emit(detector.run(scenarios, threshold, calibration), out, as_json, detector.table)
+
+
 @bench.command("quality")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--items", "n_items", default=5, show_default=True,
@@ -387,6 +402,29 @@ def _replay_table(rows: list[dict]) -> str:
     return cap.get().rstrip()
 
 
+def _find_text(found: dict) -> str:
+    """Per occurrence and turn: pairs holding every token, and each evicted token's count and median margin."""
+    import statistics
+
+    lines = [f"{found['text']!r}: {len(found['occurrences'])} occurrence(s)"]
+    for occ in found["occurrences"]:
+        lines.append(f"  chars {occ['chars'][0]}..{occ['chars'][1]}, positions {occ['positions']}, "
+                     f"tokens {occ['tokens']}")
+        for t in occ["turns"]:
+            lines.append(f"    turn {t['turn']}: {t['pairs_holding_all']}/{t['pairs']} layer/head pairs hold every token")
+            lost: dict[int, list] = {}
+            for lay in t["layers"]:
+                for head in lay["heads"]:
+                    for e in head["evicted"]:
+                        lost.setdefault(e["position"], []).append(e["margin"])
+            for pos, margins in sorted(lost.items()):
+                known = [m for m in margins if m is not None]
+                median = f", median margin {statistics.median(known):.3g}" if known else ""
+                lines.append(f"      position {pos} ({occ['tokens'][occ['positions'].index(pos)]!r}): evicted in "
+                             f"{len(margins)} pairs{median}")
+    return "\n".join(lines)
+
+
 def _detail_text(detail: dict) -> str:
     lines = [f"turn {detail['turn']} ({detail['status']}): drift {_fmt(detail['drift_score'], '.3f')}, "
              f"decision {detail['drift_decision']}"]
@@ -412,16 +450,24 @@ def _detail_text(detail: dict) -> str:
 @click.option("--verify", "do_verify", is_flag=True, help="Check the hash chain, then re-execute and compare.")
 @click.option("--against", type=click.Choice(["full"]), default=None, help="Fidelity audit against a full cache.")
 @click.option("--plot", "plot_path", default=None, help="Write a retention heatmap + drift timeline PNG (matplotlib).")
-@click.option("--model", default=None, help="Model for --verify/--against (default: the session's).")
+@click.option("--find", "find_text", default=None,
+              help="Where TEXT's tokens were held or evicted after each compression (with --turn: that turn's), "
+                   "and the score margin each evicted token lost by.")
+@click.option("--model", default=None, help="Model for --verify/--against/--find (default: the session's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @clean_errors
-def replay(session_id, db, turn, do_verify, against, plot_path, model, as_json) -> None:
+def replay(session_id, db, turn, do_verify, against, plot_path, find_text, model, as_json) -> None:
     """Audit a session: per-turn retention, drift and timings; verify or compare re-executions."""
     from . import audit
 
     need_matplotlib(plot_path)
     store = _store(db)
     store.get_session(session_id)
+    if find_text is not None:
+        quiet_loaders()
+        found = audit.find(store, session_id, find_text, turn, model)
+        click.echo(json.dumps(found, indent=2) if as_json else _find_text(found))
+        return
     if do_verify:
         quiet_loaders()
         result = audit.verify(store, session_id, model)

@@ -71,6 +71,9 @@ class CompressionConfig(BaseModel):
         Score whole words (whitespace-delimited token runs): every token of a word gets the word's best score,
         so kept positions tend to cover whole words and numbers. Wraps the scorer (not the streaming one, whose
         pattern is positional). Needs the runner's tokenizer.
+    span_unit:
+        What ``span_aware`` keeps whole: ``"word"`` (default), ``"line"`` (a record of a listing, a table row, a
+        line of JSON or code) or ``"sentence"``.
     pin_overflow:
         What happens when the pinned positions alone exceed a layer's history budget: ``"error"`` raises
         :class:`~snapkv_sessions.errors.BudgetError`; ``"grow"`` keeps every pinned position and grows that
@@ -91,6 +94,7 @@ class CompressionConfig(BaseModel):
     method: Literal["snapkv", "streaming"] = "snapkv"
     sinks: int = 4
     span_aware: bool = False
+    span_unit: Literal["word", "line", "sentence"] = "word"
     scorer: str = "snapkv"
 
     @property

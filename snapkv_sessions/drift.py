@@ -113,9 +113,9 @@ class WorkingSet:
 
         self.index = faiss.IndexFlatIP(self.dim)
 
-    def add(self, text: str, vector: np.ndarray) -> None:
+    def add(self, text: str, vector: np.ndarray, context: str | None = None) -> None:
         self.queries.append(text)
-        self.terms += [t for t in key_terms(text) if t not in self.terms]
+        self.terms += [t for t in key_terms(text, context) if t not in self.terms]
         self.index.add(vector.reshape(1, -1))
 
     def reset(self) -> None:
@@ -139,17 +139,68 @@ STOP_CAPS = {"Who", "What", "Which", "When", "Where", "Why", "How", "And", "The"
              "It", "This", "That", "Also", "Again", "Ok", "Okay", "Yes", "No"}
 
 
-def key_terms(query: str) -> list[str]:
-    """Identifiers, numbers and capitalised names in ``query`` (question and filler words left out)."""
+# Words that never begin or end a lowercase name ("the office of", "which department").
+STOP_WORDS = frozenset("""a an the of in on at to for from by with and or but not no is are was were be been do does
+did has have had what which who whom whose when where why how that this these those it its there here than then
+please can could would should will shall may might must you your i me my we our they them their he she his her
+one any some all each every other another more most about into over under again also just only very same such
+say tell give show write copy repeat name list find answer follow summarise summarize explain""".split())
+SENTENCE_START = re.compile(r"(?:^|[.!?:]\s+|\n\s*)$")
+
+
+def question_text(text: str, max_chars: int = 400) -> str:
+    """What a message asks: the whole of a short one; of a long one (a document pasted before its question), its
+    last paragraph, or that paragraph's last sentence when the paragraph is longer than ``max_chars``."""
+    text = text.strip()
+    if len(text) <= max_chars:
+        return text
+    last = re.split(r"\n\s*\n|\n", text)[-1].strip() or text
+    if len(last) <= max_chars:
+        return last
+    sentence = re.split(r"(?<=[.!?])\s+", last)[-1]  # an over-long paragraph: its last sentence
+    return sentence[-max_chars:]
+
+
+def key_terms(query: str, context: str | None = None) -> list[str]:
+    """Identifiers, numbers and names in ``query`` (question and filler words left out).
+
+    Names are runs of capitalised words; with ``context`` (the conversation), also lowercase runs of two or three
+    words that occur there ("blue widget"), and a single capitalised word at the start of a sentence counts only
+    when the context has it ("Draft a reply" names nothing; "Priya, which office?" does).
+    """
     seen: list[str] = []
     for match in KEY_TERM.finditer(query):
         words = match.group(0).strip(".-").split()
         while words and words[0] in STOP_CAPS:  # "Thanks Priya" -> "Priya"
             words = words[1:]
         term = " ".join(words)
+        initial = len(words) == 1 and words[0] == match.group(0) and SENTENCE_START.search(query[: match.start()])
+        if initial and context is not None and not re.search(rf"(?<!\w){re.escape(term)}(?!\w)", context):
+            continue  # a capitalised common word opening a sentence
         if term and term not in seen:
             seen.append(term)
+    if context is not None:
+        seen += [t for t in lowercase_names(query, context) if t not in seen]
     return seen
+
+
+def lowercase_names(query: str, context: str) -> list[str]:
+    """Runs of two or three lowercase words of ``query``, not beginning or ending with a stop word, that occur
+    in ``context`` as a phrase (product and item names); the longest run wins."""
+    words = re.findall(r"[a-z][a-z-]+", query)
+    lowered = context.lower()
+    found: list[str] = []
+    for size in (3, 2):
+        for i in range(len(words) - size + 1):
+            run = words[i : i + size]
+            if run[0] in STOP_WORDS or run[-1] in STOP_WORDS:
+                continue
+            phrase = " ".join(run)
+            if any(phrase in f for f in found) or phrase not in query:
+                continue
+            if re.search(rf"(?<![\w-]){re.escape(phrase)}(?![\w-])", lowered):
+                found.append(phrase)
+    return found
 
 
 def _words(term: str) -> list[str]:
@@ -233,7 +284,7 @@ class DriftMonitor:
         self._model, self._tokenizer = model, tokenizer
         self._embedder: Embedder | None = None
         self._working: WorkingSet | None = None
-        self._queued: list[str] = []  # queries to add once the embedder is loaded
+        self._queued: list[tuple[str, str | None]] = []  # (question, context) to add once the embedder loads
 
     @property
     def enabled(self) -> bool:
@@ -243,8 +294,8 @@ class DriftMonitor:
         if self._embedder is None:
             self._embedder = make_embedder(self.kind, self._model, self._tokenizer)
             self._working = WorkingSet(self._embedder.dim)
-            for queued in self._queued:
-                self._working.add(queued, self._embedder.embed([queued])[0])
+            for queued, context in self._queued:
+                self._working.add(queued, self._embedder.embed([queued])[0], context)
             self._queued.clear()
         return self._embedder.embed([text])[0]
 
@@ -253,21 +304,25 @@ class DriftMonitor:
         if self._working is not None:
             self._working.reset()
 
-    def observe(self, query: str) -> None:
-        """``query``'s window shaped the cache: it joins the working set (lazily embedded)."""
+    def observe(self, query: str, context: str | None = None) -> None:
+        """``query``'s window shaped the cache: its question (:func:`question_text`, not a document pasted before
+        it) joins the working set, lazily embedded. ``context``: the conversation, for the names it holds."""
         if not self.enabled:
             return
+        question = question_text(query)
         if self._working is None:
-            self._queued.append(query)
+            self._queued.append((question, context))
         else:
-            self._working.add(query, self._vector(query))
+            self._working.add(question, self._vector(question), context)
 
     def assess(self, query: str, context: str, char_positions: np.ndarray, kept: list[np.ndarray]) -> Assessment:
+        """How far ``query``'s question drifts from the working set's (embedding, new subject, evicted evidence)."""
         if not self.enabled:
             return Assessment(None, None, [])
-        vector = self._vector(query)
+        question = question_text(query)
+        vector = self._vector(question)
         emb = self._working.drift(vector)
-        terms = key_terms(query)
+        terms = key_terms(question, context)
         missing = evidence_missing(terms, context, char_positions, kept) if kept else []
         if emb is None and not missing:
             return Assessment(None, None, [])

@@ -205,13 +205,25 @@ class Policy(_Strict):
 
     def canonical_json(self) -> str:
         data = self.model_dump(mode="json")
-        if data["memory"] is None:  # unstated: the JSON (and hash) of a policy written before the section existed
-            del data["memory"]
+        for *parents, key in _LATER_FIELDS:  # at their default: the JSON (and hash) of a policy written before
+            holder = data
+            for part in parents:
+                holder = holder[part]
+            if holder[key] == _LATER_FIELDS[(*parents, key)]:
+                del holder[key]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+# Fields added after sessions were first stored, with the value that means "as before they existed": left out of
+# the canonical JSON while they hold it, so a stored policy keeps its hash. Append only.
+_LATER_FIELDS: dict[tuple[str, ...], object] = {
+    ("memory",): None,
+    ("compression", "span_unit"): "word",
+}
 
 
 def _policy_error(exc: ValidationError, data: dict) -> PolicyError:

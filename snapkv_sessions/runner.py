@@ -12,7 +12,7 @@ import hashlib
 import json
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +91,22 @@ class TurnResult:
     kept: list[torch.Tensor] | None = None  # positions[l] (B, Hkv, K) right after the compression, if it ran
 
 
+@dataclass(frozen=True)
+class Selection:
+    """One layer's selection, for an observer (:attr:`ModelRunner.observer`).
+
+    positions (B, Hkv, T): true positions of the layer's slots (the whole history when tiered); scores
+    (B, Hkv, T - W): the scorer's scores of the history slots; chosen (B, Hkv, K): the kept slots; keep_mask (N,):
+    the positions forced in (pins and this turn's protected question).
+    """
+
+    layer: int
+    positions: torch.Tensor
+    scores: torch.Tensor
+    chosen: torch.Tensor
+    keep_mask: torch.Tensor
+
+
 class TurnRun:
     """A turn whose prefill and compression ran: iterate to decode the reply, or :meth:`finish` to run it all.
 
@@ -146,6 +162,9 @@ class ModelRunner:
         if cache not in ("compact", "dynamic"):
             raise ConfigError("cache", cache, "must be 'compact' or 'dynamic'")
         self.cache_kind = cache
+        # Called after each layer's selection with a Selection (the audit's --find reads the scores through it);
+        # None in normal use, which then never computes anything for it.
+        self.observer: Callable[[Selection], None] | None = None
         check_supported(model)
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", prefill_chunk, "must be >= 1")
@@ -411,7 +430,11 @@ class ModelRunner:
     def _select(self, state: KVState | UnionView, probe: WindowProbe, scorer: Scorer, rule: KeepRule, layer: int,
                 budget: int) -> torch.Tensor:
         """Sorted slot indices to keep in one layer, (B, Hkv, K): the shared top-k. No host synchronisation."""
-        return select_layer(scorer, probe.scores[layer], state, layer, budget, rule)  # (B, Hkv, K)
+        chosen = select_layer(scorer, probe.scores[layer], state, layer, budget, rule)  # (B, Hkv, K)
+        if self.observer is not None:
+            scores = scorer.score(probe.scores[layer], state, layer)  # (B, Hkv, T - W), as the top-k saw them
+            self.observer(Selection(layer, state.positions[layer], scores, chosen, rule.keep_mask))
+        return chosen
 
     def _word_ids(self, state: KVState) -> torch.Tensor:
         """(N,) word index of every true position: a new word starts at a token that begins with whitespace."""

@@ -96,7 +96,7 @@ def build_scorer(cfg: CompressionConfig, ctx: ScoreContext) -> Scorer:
     scorer = factory(cfg, ctx)
     # streaming's pattern is positional: spreading it over words would only blur it
     if cfg.span_aware and key != "streaming":
-        scorer = SpanAware(scorer, ctx.tokenizer)
+        scorer = SpanAware(scorer, ctx.tokenizer, cfg.span_unit)
     return scorer
 
 
@@ -168,42 +168,74 @@ class StreamingLLM:
 
 
 class SpanAware:
-    """Wrapper: every token of a word gets its word's best score under ``inner``.
+    """Wrapper: every token of a span gets its span's best score under ``inner``, so a span is kept whole or
+    not at all.
 
-    Kept positions then tend to cover whole words and numbers. A word starts at a token that begins with
-    whitespace, or follows a newline (:func:`word_ids`); the tokenizer turns ids into those pieces.
+    ``unit`` says what a span is (:func:`span_ids`): ``"word"`` (a token that begins with whitespace, or follows
+    a newline, starts one), ``"line"`` (a record of a listing, a table row, a line of JSON or code) or
+    ``"sentence"``. Line and sentence spans are records in the sense of ChunkKV (Liu et al., 2025,
+    arXiv:2502.00299): a record whose name the question matches keeps the value that follows it.
     """
 
-    def __init__(self, inner: Scorer, tokenizer: object | None) -> None:
+    def __init__(self, inner: Scorer, tokenizer: object | None, unit: str = "word") -> None:
         if tokenizer is None:
             raise ConfigError("span_aware", True, "needs the runner to have a tokenizer")
-        self.inner = inner
-        self.tokenizer = tokenizer
-        self._memo: tuple[KVState, int, torch.Tensor] | None = None  # (state, its length, word ids)
+        if unit not in SPAN_UNITS:
+            raise ConfigError("span_unit", unit, f"must be one of {list(SPAN_UNITS)}")
+        self.inner, self.tokenizer, self.unit = inner, tokenizer, unit
+        self._memo: tuple[KVState, int, torch.Tensor] | None = None  # (state, its length, span ids)
 
     def score(self, window_probs: torch.Tensor, state: KVState, layer: int) -> torch.Tensor:
         scores = self.inner.score(window_probs, state, layer)  # (B, Hkv, P)
-        words = self._words(state, scores.device)  # (N,)
+        spans = self._spans(state, scores.device)  # (N,)
         hist_pos = state.positions[layer][..., : scores.shape[-1]]  # (B, Hkv, P)
-        # word ids count word starts, so they stay below the number of true positions
-        return spread_over_words(scores, words[hist_pos], num_words=len(words) + 1)  # (B, Hkv, P)
+        # span ids count span starts, so they stay below the number of true positions
+        return spread_over_words(scores, spans[hist_pos], num_words=len(spans) + 1)  # (B, Hkv, P)
 
-    def _words(self, state: KVState, device: torch.device) -> torch.Tensor:
-        """(N,) word ids of ``state``, tokenized once per compression rather than once per layer."""
+    def _spans(self, state: KVState, device: torch.device) -> torch.Tensor:
+        """(N,) span ids of ``state``, tokenized once per compression rather than once per layer."""
         memo = self._memo
         if memo is None or memo[0] is not state or memo[1] != state.next_position:
-            memo = (state, state.next_position, word_ids(self.tokenizer, state.token_ids, device))
+            memo = (state, state.next_position, span_ids(self.tokenizer, state.token_ids, device, self.unit))
             self._memo = memo
         return memo[2]
 
 
+SPAN_UNITS = ("word", "line", "sentence")
+_SPACE = "ĠĊ▁ \n\t"  # byte-level BPE marks a leading space as "Ġ" and a newline as "Ċ"; sentencepiece uses "▁"
+
+
+def _has_newline(piece: str) -> bool:
+    return "Ċ" in piece or "\n" in piece
+
+
+def _ends_sentence(piece: str) -> bool:
+    return piece.rstrip(_SPACE).endswith((".", "!", "?"))
+
+
+def span_ids(tokenizer: object, token_ids: Sequence[int], device: torch.device, unit: str = "word") -> torch.Tensor:
+    """(N,) span index of every true position, for ``unit`` in :data:`SPAN_UNITS`.
+
+    word: a token that begins with whitespace, or follows a newline, starts a word; line: a token that follows a
+    newline starts a line; sentence: a line start, or a word start after a token ending in ``.``, ``!`` or ``?``.
+    """
+    pieces = tokenizer.convert_ids_to_tokens(token_ids)
+    starts = []
+    for i, piece in enumerate(pieces):
+        prev = pieces[i - 1] if i else ""
+        word = not piece or piece[0] in _SPACE or (bool(prev) and prev[-1] in "Ċ\n")
+        if unit == "word":
+            starts.append(word)
+        elif unit == "line":
+            starts.append(_has_newline(prev))
+        else:
+            starts.append(_has_newline(prev) or (word and _ends_sentence(prev)))
+    return torch.tensor(starts, dtype=torch.long, device=device).cumsum(0)  # (N,)
+
+
 def word_ids(tokenizer: object, token_ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """(N,) word index of every true position: a new word starts at a token that begins with whitespace."""
-    pieces = tokenizer.convert_ids_to_tokens(token_ids)
-    # byte-level BPE marks a leading space as "Ġ" and a newline as "Ċ"; sentencepiece uses "▁"
-    starts = [not p or p[0] in "ĠĊ▁ \n\t" or (i and pieces[i - 1] and pieces[i - 1][-1] in "Ċ\n")
-              for i, p in enumerate(pieces)]
-    return torch.tensor(starts, dtype=torch.long, device=device).cumsum(0)  # (N,)
+    return span_ids(tokenizer, token_ids, device, "word")
 
 
 # ---------------------------------------------------------------- built-in factories

@@ -259,7 +259,7 @@ class Session:
         plan = self.transcript.attach(plan, msgs, self._context(user_seq, plan.reprefill))
         run = self.runner.run(self.state, plan, self.policy.compression, gen, forced)
         self.transcript.advance(plan)
-        self.drift.observe(next(m.content for m in msgs if m.seq == user_seq))
+        self.drift.observe(next(m.content for m in msgs if m.seq == user_seq), self.transcript.text)
         return run
 
     def _live(self, turn: int, user_seq: int, gen: GenerationConfig) -> Iterator[str]:

@@ -182,3 +182,33 @@ def test_sessions_export_and_delete(tmp_path):
     assert "kept_positions" not in exported["turns"][0]
     res = CliRunner().invoke(main, ["sessions", "delete", sid, "--db", db, "--json"])
     assert json.loads(res.output) == {"deleted": sid} and store.list_sessions() == []
+
+
+def test_find_names_the_evicted_digits_and_their_margins(smollm2, tmp_path):
+    """replay --find: a number's digits evicted at a small budget; what each layer and head held agrees with the
+    recorded kept positions, and every evicted token lost by a margin >= 0 (its score under the kept floor)."""
+    from snapkv_sessions.audit import find
+
+    store = SessionStore(f"sqlite:///{tmp_path / 'f.db'}")
+    policy = {"compression": {"budget": 48, "window": 8}, "drift": {"embedder": "none"}, "memory": {"cold": False}}
+    session = Session.create(smollm2, policy=policy, store=store, system="Be brief.")
+    session.add_document(" ".join(f"Parcel {1000 + i} weighs {3 * i + 17}.{i} kg and goes to {n}."
+                                  for i, n in enumerate("Ada Bob Cyd Dee Eve Fay Gus Hal".split())), name="p")
+    session.chat("How much does parcel 1003 weigh?", max_new_tokens=6)
+    found = find(store, session.id, "35.6", model=smollm2)
+    (occ,) = found["occurrences"]
+    assert "".join(occ["tokens"]) == "35.6"
+    (turn,) = occ["turns"]
+    recorded = unpack_positions(store.turns(session.id)[0]["kept_positions"])  # per layer (Hkv, K)
+    evicted_digits = 0
+    for lay in turn["layers"]:
+        for h, head in enumerate(lay["heads"]):
+            kept = set(recorded[lay["layer"]][h].tolist())
+            assert {e["position"] for e in head["evicted"]} == set(occ["positions"]) - kept
+            assert head["held"] == len(set(occ["positions"]) & kept)
+            assert all(e["margin"] >= 0 for e in head["evicted"])
+            evicted_digits += sum(occ["tokens"][occ["positions"].index(e["position"])].isdigit()
+                                  for e in head["evicted"])
+    assert evicted_digits > 0
+    res = CliRunner().invoke(main, ["replay", session.id, "--db", str(tmp_path / "f.db"), "--find", "35.6"])
+    assert res.exit_code == 0 and "evicted in" in res.output and "median margin" in res.output, res.output

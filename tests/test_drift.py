@@ -134,3 +134,39 @@ def test_model_embedder_fallback(smollm2):
     ws = WorkingSet(emb.dim)
     ws.add("q", vecs[0])
     assert ws.drift(vecs[1]) == pytest.approx(0.0, abs=1e-5) and ws.drift(vecs[2]) > 0.01
+
+
+def test_question_text_is_the_question_not_the_pasted_document():
+    from snapkv_sessions.drift import question_text
+
+    doc = "\n".join(f"Item {i}: price {i}.50, stock {i * 3}." for i in range(60))
+    assert question_text("Who gets parcel 1003?") == "Who gets parcel 1003?"
+    assert question_text(f"Here is the list:\n\n{doc}\n\nWhat does item 7 cost?") == "What does item 7 cost?"
+    assert question_text(f"{doc}\nAnd item 9?") == "And item 9?"
+    long_last = "Background. " * 60 + "Which item is cheapest?"
+    assert question_text(long_last) == "Which item is cheapest?"  # the last sentences of an over-long paragraph
+
+
+def test_key_terms_read_names_in_the_context():
+    context = "steel bracket: price 12.40, stock 113.\nblue widget: price 3.10, stock 40.\nPriya Nair: office A-1."
+    # lowercase multi-word names that the context holds; stop words never begin or end one
+    assert key_terms("What is the price of the steel bracket?", context) == ["steel bracket"]
+    assert key_terms("And what is the price of it?", context) == []
+    # a capitalised common word opening a sentence is not a name; one the context holds is
+    assert key_terms("Draft a reorder note for the blue widget.", context) == ["blue widget"]
+    assert key_terms("Priya, which office?", context) == ["Priya"]
+    assert key_terms("Draft a note.") == ["Draft"]  # without a context, as before
+    assert new_subject(key_terms("What is the price of the blue widget?", context), ["steel bracket"])
+    assert not new_subject(key_terms("Is the steel bracket in stock?", context), ["steel bracket"])
+
+
+def test_detector_bench_reports_every_shape():
+    from snapkv_sessions.bench import detector
+
+    out = detector.run(2, calibration=2)
+    assert set(out["cells"]) == {"people/message", "people/pasted", "items/message", "items/pasted"}
+    for cell in out["cells"].values():
+        s = cell["at_default"]
+        assert s["tp"] + s["fn"] == 2 * 4 and s["fp"] + s["tn"] == 2 * 5  # 4 shifts and 5 follow-ups a scenario
+    # the question, not the pasted document, is what the detector reads: both shapes score alike
+    assert out["cells"]["people/pasted"]["at_default"] == out["cells"]["people/message"]["at_default"]

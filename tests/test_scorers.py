@@ -281,3 +281,54 @@ def test_default_scorer_leaves_the_policy_hash_alone():
     toy = Policy.from_dict({"compression": {"scorer": TOY}})
     assert json.loads(toy.canonical_json())["compression"]["scorer"] == TOY
     assert Policy.from_yaml(toy.canonical_json()) == toy and toy.sha256 != Policy().sha256
+
+
+class LineTok:
+    """A stand-in tokenizer: id 5 is a newline, id 7 ends a sentence, ids divisible by 3 begin with a space."""
+
+    @staticmethod
+    def convert_ids_to_tokens(ids):
+        return ["Ċ" if i == 5 else "." if i == 7 else "Ġw" if i % 3 == 0 else "x" for i in ids]
+
+
+def test_span_ids_by_unit():
+    from snapkv_sessions.scorers import span_ids
+
+    ids = [1, 3, 1, 7, 3, 1, 5, 1, 3, 7, 1, 3]
+    # words start at a spaced token or after a newline; lines after a newline; sentences also after a "." that
+    # a spaced token follows
+    assert span_ids(LineTok(), ids, "cpu", "word").tolist() == [0, 1, 1, 1, 2, 2, 3, 4, 5, 5, 5, 6]
+    assert span_ids(LineTok(), ids, "cpu", "line").tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
+    assert span_ids(LineTok(), ids, "cpu", "sentence").tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2]
+    with pytest.raises(ConfigError, match="^span_unit='para'"):
+        SpanAware(StreamingLLM(window=6), LineTok(), "para")
+
+
+@pytest.mark.parametrize("unit", ["line", "sentence"])
+def test_record_aware_snapkv_equals_a_reference(unit):
+    """SpanAware(SnapKV) by lines or sentences through the engine equals the selection written out by hand:
+    every history slot scored with its record's best SnapKV score, then the shared top-k."""
+    runner = ModelRunner(build_tiny("llama"), LineTok())
+    state = runner.new_state()
+    ids = prompt(120, seed=5)
+    _, probe = runner.prefill(state, ids, pinned=[i < 4 for i in range(120)], window=8)
+    positions = [p.clone() for p in state.positions]
+    pieces = LineTok.convert_ids_to_tokens(ids)
+    record, records = 0, []
+    for i, piece in enumerate(pieces):  # the record rule, spelled out
+        prev = pieces[i - 1] if i else ""
+        if i and (prev == "Ċ" or (unit == "sentence" and prev == "." and piece[0] in "ĠĊ")):
+            record += 1
+        records.append(record)
+    records = torch.tensor(records)
+    expected = []
+    for layer, pos in enumerate(positions):
+        scores = SnapKV(8, 5).score(probe.scores[layer], runner.num_kv_heads)  # (B, Hkv, P)
+        hist = pos[..., :-8]
+        best = torch.full((*scores.shape[:2], int(records.max()) + 1), float("-inf"))
+        best = best.scatter_reduce(-1, records[hist], scores, reduce="amax")
+        spread = best.gather(-1, records[hist])
+        expected.append(pos.gather(-1, select_positions(spread, 40, 8, state.pinned[hist], False, layer)))
+    runner.compress(state, CompressionConfig.make(budget=48, window=8, kernel=5, span_aware=True, span_unit=unit),
+                    probe)
+    assert all(torch.equal(a, b) for a, b in zip(state.positions, expected, strict=True))
