@@ -57,12 +57,31 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
     assert len(copies) == 1 and 0.0 <= copies[0]["copy_score"] <= 1.0
     assert (tmp_path / "quality.png").stat().st_size > 10_000
     png = tmp_path / "knee.png"
-    res = CliRunner().invoke(main, ["bench", "knee", "--model", "smollm2-135m-instruct", "--items", "1",
-                                    "--budgets", "0.1,0.5", "--window", "16", "--max-new-tokens", "4", "--lengths", "6,10",
+    res = CliRunner().invoke(main, ["bench", "knee", "--model", "smollm2-135m-instruct", "--items", "2",
+                                    "--budgets", "0.1,0.5", "--window", "16", "--max-new-tokens", "4", "--lengths", "300",
                                     "--plot", str(png), "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert len(out["rows"]) == 2 * 2 * 4  # 2 lengths x 2 tasks x (full, 0.1, 0.5, 0.1+span)
-    assert set(out["table"]) == {f"{t}@{n}tok" for t in ("lookup", "copy")
-                                 for n in {r["tokens"] for r in out["rows"] if r["task"] == t}}
+    assert len(out["rows"]) == 4 * 2 * 5  # 4 tasks x 2 items x (full + 2 budgets x 2 selections)
+    assert set(out["cells"]) == {f"{t}@300/{s}" for t in ("lookup", "multihop", "copy", "rule")
+                                 for s in ("snapkv", "lines")}
+    for cell in out["cells"].values():  # B* is a budget within 2 points of the full cache's accuracy, or None
+        star = cell["b_star"]
+        assert star is None or cell["accuracy"][str(star)] >= cell["full"] - 0.02
+    assert all(r["same_as_full"] for r in out["rows"] if r["variant"] == "full")
     assert png.stat().st_size > 10_000
+
+
+def test_b_star_and_its_interval():
+    from snapkv_sessions.bench.knee import _cell, b_star
+
+    budgets = [0.1, 0.5, 0.9]
+    assert b_star({0.1: 0.5, 0.5: 0.99, 0.9: 1.0}, 1.0, budgets) == 0.5
+    assert b_star({0.1: 0.0, 0.5: 0.0, 0.9: 0.0}, 0.0, budgets) is None  # the full cache fails: no knee
+    assert b_star({0.1: 0.5, 0.5: 0.5, 0.9: 0.5}, 1.0, budgets) is None
+    # every item right from 0.5 up, wrong at 0.1: B* is 0.5 in every resample
+    by = {(i, v): {"correct": v != "snapkv@0.1", "same_as_full": v != "snapkv@0.1"}
+          for i in range(5) for v in ("full", "snapkv@0.1", "snapkv@0.5", "snapkv@0.9")}
+    cell = _cell(by, list(range(5)), "snapkv", budgets, resamples=50)
+    assert cell["b_star"] == 0.5 and cell["b_star_90ci"] == [0.5, 0.5]
+    assert cell["agreement_with_full"] == {"0.1": 0.0, "0.5": 1.0, "0.9": 1.0}

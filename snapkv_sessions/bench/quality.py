@@ -5,8 +5,7 @@ quality: single-turn document lookup, exact copy of a line, compliance with a fo
 this project's session (pins + drift re-prefill), the session with the tiered memory, StreamingLLM (sinks +
 recent window) and per-turn SnapKV without pins or recovery.
 
-knee: accuracy against budget for lookups and copies at two prompt lengths; the smallest budget within 2 points
-of the full cache; the rate of degenerate output; and whether span-aware selection moves the knee at 10%.
+knee: see :mod:`snapkv_sessions.bench.knee` (B* by length, per task and selection).
 """
 
 from __future__ import annotations
@@ -17,13 +16,10 @@ import time
 
 import torch
 
-from ..config import CompressionConfig
-from ..generation import GenerationConfig
 from ..policy import Policy
 from ..session import Session
 from ..store import SessionStore
 from .shift import SYSTEM, first_turn, is_correct, is_degenerate, make_scenario
-from .variants import compressed_variants
 
 # A format rule this model follows with the full cache wherever it is stated (measured on Qwen2.5-Coder-0.5B:
 # 6/6 in the system prompt and in the user turn; "start with ANSWER:" and "answer in capitals" were ignored).
@@ -150,62 +146,6 @@ def knee_item_ids(tok, document: str, question: str) -> list[int]:
     return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def run_knee(runner, n: int, budgets: list[float], window: int, max_new_tokens: int, lengths=(20, 40),
-             log=print) -> dict:
-    tok = runner.tokenizer
-    gen = GenerationConfig(max_new_tokens=max_new_tokens)
-    variants = ["full", *[str(b) for b in budgets], "0.1+span"]
-    t0 = time.perf_counter()
-    rows = []
-    for records in lengths:
-        for seed in range(n):
-            sc = make_scenario(200 + seed, records=records)
-            for task, turn in (("lookup", sc.turns[0]), ("copy", first_turn(sc, "copy"))):
-                ids = knee_item_ids(tok, sc.document, turn.question)
-                configs = [None if v == "full" else CompressionConfig.make(
-                    budget_ratio=float(v.split("+")[0]), window=window, span_aware=v.endswith("span")) for v in variants]
-                for variant, var in zip(variants, compressed_variants(runner, ids, window, configs), strict=True):
-                    state = var.state
-                    out = list(runner.generate(state, var.logits, gen))
-                    text = tok.decode(out, skip_special_tokens=True)
-                    rows.append({"task": task, "records": records, "tokens": len(ids), "variant": variant,
-                                 "correct": is_correct(text, turn.expect),
-                                 "degenerate": is_degenerate(out, state.last_stop_reason)})
-            log(f"records {records} seed {seed} done")
-    table = {}
-    for task in ("lookup", "copy"):
-        for records in lengths:
-            sel = [r for r in rows if r["task"] == task and r["records"] == records]
-            acc = {v: round(sum(r["correct"] for r in sel if r["variant"] == v) / n, 3) for v in variants}
-            degen = {v: round(sum(r["degenerate"] for r in sel if r["variant"] == v) / n, 3) for v in variants}
-            # no knee where the full cache itself fails: "within 2 points of 0" says nothing
-            within = [b for b in budgets if acc[str(b)] >= acc["full"] - 0.02] if acc["full"] > 0 else []
-            tokens = round(sum(r["tokens"] for r in sel if r["variant"] == "full") / n)
-            table[f"{task}@{tokens}tok"] = {"accuracy": acc, "degenerate_rate": degen,
-                                            "knee": min(within) if within else None}
-    return {"benchmark": "knee", "budgets": budgets, "window": window, "items_per_cell": n, "table": table,
-            "minutes": round((time.perf_counter() - t0) / 60, 1), "rows": rows}
-
-
-def knee_plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
-    for name, cell in result["table"].items():
-        xs = result["budgets"]
-        line = ax.plot(xs, [cell["accuracy"][str(b)] for b in xs], marker="o", label=name)[0]
-        ax.axhline(cell["accuracy"]["full"], color=line.get_color(), linestyle=":", linewidth=1)
-        ax.scatter([0.1], [cell["accuracy"]["0.1+span"]], marker="*", s=120, color=line.get_color())
-    ax.set(xlabel="budget (share of the context)", ylabel="accuracy",
-           title="accuracy vs budget (dotted: full cache; star: span-aware at 10%)")
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def quality_plot(result: dict, path: str) -> None:
     """Grouped bars: accuracy per task/split (x) and method (bars)."""
     import matplotlib
@@ -239,20 +179,11 @@ def quality_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def knee_table(result: dict) -> str:
-    variants = list(next(iter(result["table"].values()))["accuracy"])
-    lines = [f"{'cell':<18}" + "".join(f"{v:>9}" for v in variants) + f"{'knee':>7}"]
-    for name, cell in result["table"].items():
-        lines.append(f"{name:<18}" + "".join(f"{cell['accuracy'][v]:>9.2f}" for v in variants) + f"{str(cell['knee']):>7}")
-        lines.append(f"{'  degenerate':<18}" + "".join(f"{cell['degenerate_rate'][v]:>9.2f}" for v in variants))
-    return "\n".join(lines)
-
-
-def load_runner(model_name: str):
+def load_runner(model_name: str, dtype: str = "float32"):
     from ..models import load_model
     from ..runner import ModelRunner
 
-    model, tok = load_model(model_name)
+    model, tok = load_model(model_name, dtype=getattr(torch, dtype))
     torch.manual_seed(0)
     random.seed(0)
     return ModelRunner(model, tok)
