@@ -118,9 +118,13 @@ class MemoryPolicy(_Strict):
     spill_dir: write an evicted session's tier here (safetensors) instead of dropping it
     on_shift: ``tier``: a detected task shift is served by the tier (no re-prefill while it holds the
         session); ``reprefill``: drift decides re-prefills as without the tier
+    refeed_reply: feed the last reply again with the next turn's tokens, so its KV is computed over the whole
+        history as a full prefill's would be (exact, the default); false keeps the KV decode computed against
+        the hot cache alone
     """
 
     cold: bool = True
+    refeed_reply: bool = True
     max_bytes: int | None = Field(default=None, ge=0)
     spill_dir: str | None = None
     on_shift: Literal["tier", "reprefill"] = "tier"

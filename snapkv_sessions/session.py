@@ -129,6 +129,8 @@ class Session:
         if self.state is not None and self.state.cold is not None:
             POOL.release(self.state.cold)
         self.state = self.runner.new_state(tiered=self.policy.tiered)
+        if self.state.cold is not None:
+            self.state.cold.refeed_reply = self.policy.memory.refeed_reply
         self.transcript.reset()
 
     @property

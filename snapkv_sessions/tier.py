@@ -80,6 +80,7 @@ class ColdKV:
     decode_start: int | None = None
     stats: TierStats = field(default_factory=TierStats)
     spilled: Path | None = None
+    refeed_reply: bool = True  # False: the reply keeps the KV decode computed (policy memory.refeed_reply)
 
     @classmethod
     def empty(cls, num_layers: int) -> ColdKV:
@@ -102,7 +103,7 @@ class ColdKV:
         the next prefill computes their KV over the whole history. Returns how many tokens were rewound."""
         start = self.decode_start
         self.decode_start = None
-        if start is None or start >= state.next_position:
+        if start is None or start >= state.next_position or not self.refeed_reply:
             return 0
         n = state.next_position - start
         for layer, lay in enumerate(state.cache.layers):

@@ -47,7 +47,7 @@ def test_condition_policies():
     assert full.compression.budget == 32768 and full.drift.embedder == "none"
     every = condition_policy("d_every_turn", 0.3, 16)
     assert every.compression.budget_ratio == 0.3 and every.drift.threshold == 0.0
-    assert set(CONDITIONS) == {"a_full", "b_snapkv", "c_drift", "d_every_turn", "e_tiered"}
+    assert set(CONDITIONS) == {"a_full", "b_snapkv", "c_drift", "d_every_turn", "e_tiered", "f_tiered_keep_reply"}
 
 
 def test_bench_shift_runs_on_smollm2(smollm2):

@@ -182,3 +182,27 @@ def test_dynamic_cache_refuses_the_tier():
     runner = ModelRunner(build_tiny("llama", layers=2), cache="dynamic")
     with pytest.raises(Exception, match="compact"):
         runner.new_state(tiered=True)
+
+
+def test_keeping_the_reply_is_a_policy_choice():
+    """memory.refeed_reply: false keeps the reply's decoded KV: the next prefill feeds only the pending token and
+    the new tokens, and its result differs from the exact (re-fed) turn's only through the reply's KV."""
+    runner = ModelRunner(build_tiny("llama", layers=2))
+    comp = CompressionConfig.make(budget=24, window=4)
+    gen = GenerationConfig(max_new_tokens=5, eos_token_ids=())
+    fed = []
+    forward = runner._forward
+
+    def counting(state, ids, probe, **kw):
+        fed.append(len(ids))
+        return forward(state, ids, probe, **kw)
+
+    runner._forward = counting
+    for refeed in (True, False):
+        state = runner.new_state(tiered=True)
+        state.cold.refeed_reply = refeed
+        first = runner.turn(state, _turns()[0], comp, gen)
+        fed.clear()
+        runner.turn(state, _turns()[1], comp, gen)
+        reply_decoded = len(first.tokens) - 1  # the last token was pending
+        assert fed[0] == (reply_decoded if refeed else 0) + 1 + len(_turns()[1])

@@ -167,6 +167,9 @@ CONDITIONS = {
     # is served by the tier ("tiered") instead of a re-prefill
     "e_tiered": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"},
                  "memory": {"cold": True, "on_shift": "tier"}},
+    # the same, keeping each reply's decoded KV instead of feeding the reply again (memory.refeed_reply: false)
+    "f_tiered_keep_reply": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"},
+                            "memory": {"cold": True, "on_shift": "tier", "refeed_reply": False}},
 }
 
 
@@ -174,7 +177,7 @@ def condition_policy(name: str, ratio: float, window: int, threshold: float | No
     base = {"name": name, "compression": {"budget_ratio": ratio, "window": window, "kernel": 7},
             "pins": {"roles": ["system"], "sink_tokens": 4}}
     spec = copy.deepcopy(CONDITIONS[name])
-    if name in ("c_drift", "e_tiered") and threshold is not None:
+    if name in ("c_drift", "e_tiered", "f_tiered_keep_reply") and threshold is not None:
         spec["drift"]["threshold"] = threshold
     base["compression"].update(spec.pop("compression", {}))
     if "budget" in base["compression"]:
