@@ -8,6 +8,9 @@ about another staff member, or another task, finds its evidence evicted. Before 
 new question against the questions that shaped the cache (MiniLM embedding drift, key terms no longer held, a
 subject never named); above the policy's threshold it rebuilds the prompt from the store and prefills it again.
 The audit afterwards reads the same facts back from the store and re-executes the session to verify it.
+
+New sessions keep what compression evicts in the tiered memory, which serves such shifts without a re-prefill
+(docs/tiered-memory.md); this example asks for re-prefills on shifts (``memory.on_shift: reprefill``) to show them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ POLICY = {
     "pins": {"roles": ["system"], "sink_tokens": 4},
     "drift": {"embedder": "minilm", "threshold": 0.6, "new_subject": True, "action": "reprefill"},
     "recovery": {"max_reprefills": 5, "min_turns_between": 1},
+    "memory": {"on_shift": "reprefill"},
 }
 SYSTEM = "You are an office assistant. Answer in one short sentence using the staff list."
 STAFF = [("Ada Moreau", "Finance", 214), ("Ben Okafor", "Legal", 118), ("Chen Weber", "Sales", 305),
