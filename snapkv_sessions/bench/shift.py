@@ -8,6 +8,7 @@ the budget), and the detector's precision and recall on labelled follow-up versu
 from __future__ import annotations
 
 import copy
+import hashlib
 import random
 import statistics
 import time
@@ -210,6 +211,8 @@ def run_session(runner, scenario: Scenario, policy: Policy, max_new_tokens: int)
             "reprefill_ms": reprefill["ms"] if reprefill else None,
             "turn_ms": (time.perf_counter() - t0) * 1e3, "context": reply.context_tokens, "reply": reply.text.strip(),
             "tokens": reply.token_ids, "tier": reply.report.tier if reply.report else None,
+            # the turn's kept set, as a digest: two conditions that kept the same positions agree here
+            "kept": hashlib.sha256(rec["kept_positions"] or b"").hexdigest()[:16],
         })
     return rows
 
@@ -330,6 +333,7 @@ def run(model_name: str, sessions: int, ratios: list[float], window: int, max_ne
     conditions = {name: summarise(rows) for name, rows in per_condition.items()}
     for name, rows in per_condition.items():  # the best any selection does at the budget: re-prefill every turn
         conditions[name]["agreement_with_every_turn"] = agreement(rows, per_condition["d_every_turn"])
+        conditions[name]["kept_agreement_with_every_turn"] = agreement(rows, per_condition["d_every_turn"], "kept")
     return {
         "benchmark": "shift", "model": model_name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "sessions": sessions, "turns_per_session": len(scenarios[0].turns), "window": window,
@@ -343,9 +347,10 @@ def run(model_name: str, sessions: int, ratios: list[float], window: int, max_ne
     }
 
 
-def agreement(rows: list[dict], reference: list[dict]) -> float:
-    """Share of turns whose reply tokens equal the reference condition's on the same scenario and turn."""
-    same = [a["tokens"] == b["tokens"] for a, b in zip(rows, reference, strict=True)]
+def agreement(rows: list[dict], reference: list[dict], key: str = "tokens") -> float:
+    """Share of turns whose reply tokens (or kept sets, ``key="kept"``) equal the reference condition's on the
+    same scenario and turn."""
+    same = [a[key] == b[key] for a, b in zip(rows, reference, strict=True)]
     return round(sum(same) / len(same), 3)
 
 
