@@ -75,16 +75,33 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
            "events": [e for e in store.events(session_id) if e["turn"] == turn]}
     if rec["kept_positions"] is None:
         return out
-    for kept in unpack_positions(rec["kept_positions"]):
+    before = _previous_kept(store, session_id, rec)
+    for layer, kept in enumerate(unpack_positions(rec["kept_positions"])):
         heads = []
-        for head_positions in kept:
+        for h, head_positions in enumerate(kept):
             per_msg = {}
             for m in messages:
                 held = int(((head_positions >= m["start"]) & (head_positions < m["end"])).sum())
                 per_msg[m["seq"]] = {"kept": held, "evicted": (m["end"] - m["start"]) - held}
-            heads.append({"kept_positions": head_positions.tolist(), "per_message": per_msg})
+            head = {"kept_positions": head_positions.tolist(), "per_message": per_msg}
+            if before is not None:  # tiered: positions back in hot that the previous turn had sent cold
+                old_context, old_kept = before
+                prev = set(old_kept[layer][h].tolist())
+                head["recalled"] = [int(p) for p in head_positions if p < old_context and int(p) not in prev]
+            heads.append(head)
         out["layers"].append(heads)
     return out
+
+
+def _previous_kept(store: SessionStore, session_id: str, rec: dict) -> tuple[int, list] | None:
+    """For a tiered turn: the previous done turn's context and kept positions (None otherwise)."""
+    if not (rec["compression"] or {}).get("tier"):
+        return None
+    earlier = [t for t in store.turns(session_id, status="done") if t["turn"] < rec["turn"] and t["kept_positions"]]
+    if not earlier:
+        return None
+    prev = earlier[-1]
+    return (prev["compression"] or {}).get("context_tokens", 0), unpack_positions(prev["kept_positions"])
 
 
 def retention_matrix(store: SessionStore, session_id: str, turn: int) -> tuple[np.ndarray, list[str]]:

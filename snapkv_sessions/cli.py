@@ -442,6 +442,10 @@ def _detail_text(detail: dict) -> str:
         size = m["end"] - m["start"]
         lines.append(f"    msg {m['seq']:>3} {m['role']:<11} positions [{m['start']}, {m['end']}): kept "
                      f"{min(held)}..{max(held)} of {size}")
+    recalled = [len(h["recalled"]) for layer in detail["layers"] for h in layer if "recalled" in h]
+    if recalled:
+        lines.append(f"  recalled from the cold tier to hot: {min(recalled)}..{max(recalled)} positions per layer "
+                     f"and KV head ({sum(recalled)} in all; --json lists them)")
     return "\n".join(lines)
 
 

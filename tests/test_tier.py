@@ -127,6 +127,12 @@ def test_tiered_session_equals_reprefill_every_turn(smollm2, tmp_path):
     assert [t["decode_tokens"] for t in tiered] == [t["decode_tokens"] for t in every_turn]
     assert _kept(store, sessions["tiered"].id) == _kept(store, sessions["every"].id)
     assert all(t["compression"]["tier"]["cold_bytes"] > 0 for t in tiered[1:])
+    # replay --turn lists the positions that came back from cold: as many as the turn's record counts
+    from snapkv_sessions.audit import turn_detail
+
+    for t in tiered[1:]:
+        detail = turn_detail(store, sessions["tiered"].id, t["turn"])
+        assert sum(len(h["recalled"]) for layer in detail["layers"] for h in layer) == t["compression"]["tier"]["recalled"]
     result = verify(store, sessions["tiered"].id, smollm2)
     assert result.ok and result.turns_checked == len(QUESTIONS), result
 
