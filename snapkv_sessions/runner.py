@@ -517,9 +517,10 @@ class ModelRunner:
         if len(flags) != len(ids):
             raise ConfigError("pinned", f"{len(flags)} flags", f"must match the {len(ids)} tokens given")
         first = state.next_position + len(state.pending)
+        refed = state.cold.refed(state) if state.cold is not None else 0  # a tiered prefill feeds the reply again
         window = None
         if compression is not None:
-            window = observation_window(compression.window, len(state.pending) + len(ids), first + len(ids))
+            window = observation_window(compression.window, refed + len(state.pending) + len(ids), first + len(ids))
         plan = TurnPlan(tokens=tuple(ids), first_position=first, pinned=to_ranges(flags, first), window=window)
         return self.run(state, plan, compression, gen).finish()
 

@@ -98,14 +98,19 @@ class ColdKV:
     def begin_turn(self) -> None:
         self.stats = TierStats()
 
+    def refed(self, state) -> int:
+        """How many tokens of the last reply the next prefill feeds again (0 when it keeps their KV)."""
+        if self.decode_start is None or not self.refeed_reply:
+            return 0
+        return max(0, state.next_position - self.decode_start)
+
     def rewind_reply(self, state) -> int:
         """Drop the last reply's decoded slots from the hot cache; their tokens go back to ``state.pending`` so
         the next prefill computes their KV over the whole history. Returns how many tokens were rewound."""
-        start = self.decode_start
+        n, start = self.refed(state), self.decode_start
         self.decode_start = None
-        if start is None or start >= state.next_position or not self.refeed_reply:
+        if n == 0:
             return 0
-        n = state.next_position - start
         for layer, lay in enumerate(state.cache.layers):
             lay.truncate(lay.length - n)  # decode appended them last, in every layer
             state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)

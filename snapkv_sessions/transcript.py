@@ -156,6 +156,7 @@ class TurnContext:
 
     user_seq: int
     pending: int = 0  # tokens sampled last turn, not yet in the cache (fed before the plan's tokens)
+    refed: int = 0  # the last reply's tokens a tiered prefill feeds again (before the pending ones)
     reprefill: bool = False
     window: int = 32
     min_prompt_tokens: int = 0
@@ -324,7 +325,8 @@ class Transcript:
         runs = [] if ctx.reprefill else list(self.runs)
         for i, owner in enumerate(owners):
             extend_runs(runs, owner, first + i, first + i + 1)
-        pending = 0 if ctx.reprefill else ctx.pending
+        # the window may reach back over everything this prefill feeds, as a full prefill's would
+        pending = 0 if ctx.reprefill else ctx.pending + ctx.refed
         window = observation_window(ctx.window, pending + len(ids), first + len(ids), ctx.min_prompt_tokens)
         return TurnPlan(tokens=tuple(ids), first_position=first, owners=tuple(runs), pinned=to_ranges(pinned, first),
                         protect=to_ranges(protect, first), window=window, reprefill=ctx.reprefill,

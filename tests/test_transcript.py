@@ -16,7 +16,8 @@ DOC = "\n".join(f"Parcel {1000 + i}: courier agent A{i * 7 % 13}, RULE {i}: frag
 POLICY = {"compression": {"budget": 256, "window": 8},
           "pins": {"roles": ["system"], "markers": ["fragile"], "patterns": [r"RULE \d+"], "sink_tokens": 4},
           "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
-          "recovery": {"min_turns_between": 2}}
+          "recovery": {"min_turns_between": 2},
+          "memory": {"on_shift": "reprefill"}}  # re-prefills and tiered turns alternate
 QUESTIONS = ["Who is the courier for parcel 1003?", "And parcel 1010?", "Which parcels are fragile?",
              "Who has parcel 1020?", "Thanks."]
 
