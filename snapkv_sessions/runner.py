@@ -7,7 +7,6 @@ state itself, so one loaded model serves many states.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import time
@@ -28,7 +27,7 @@ from .press import layer_budgets
 from .report import CompressionReport
 from .scorers import KeepRule, ScoreContext, Scorer, build_scorer, select_layer, word_ids
 from .state import KVState
-from .tier import ColdKV, UnionView, union
+from .tier import ColdKV, UnionView, whole_history
 from .transcript import TurnPlan, observation_window, to_ranges
 
 
@@ -222,7 +221,7 @@ class ModelRunner:
         start = state.next_position
         input_ids = torch.tensor([ids], device=self.device)  # (1, n)
         position_ids = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n) true positions
-        with _whole_history(state) if whole else contextlib.nullcontext():
+        with whole_history(state) if whole else contextlib.nullcontext():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
@@ -523,27 +522,3 @@ class ModelRunner:
             window = observation_window(compression.window, refed + len(state.pending) + len(ids), first + len(ids))
         plan = TurnPlan(tokens=tuple(ids), first_position=first, pinned=to_ranges(flags, first), window=window)
         return self.run(state, plan, compression, gen).finish()
-
-
-@contextlib.contextmanager
-def _whole_history(state: KVState) -> Iterator[None]:
-    """For one forward of a tiered state: each layer attends to its hot and cold slots together
-    (:func:`snapkv_sessions.tier.union`), built when the layer runs and dropped after it."""
-    cold = state.cold
-    if cold is None or all(lay is None for lay in cold.layers):
-        yield
-        return
-    layers = state.cache.layers
-    for layer, lay in enumerate(layers):
-        if cold.layers[layer] is not None:
-            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], cold=cold, layer=layer)
-    try:
-        yield
-    finally:
-        for lay in layers:
-            lay.attend_to = None
-
-
-def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, cold: ColdKV,
-            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return union(keys, values, positions, cold.layers[layer], cold.stats)  # (B, Hkv, N + n, D) each

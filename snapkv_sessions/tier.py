@@ -18,11 +18,14 @@ the selection is SnapKV's (Li et al., 2024, arXiv:2404.14469).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import threading
 import uuid
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,6 +255,30 @@ def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     if t.device.type == "cpu":
         return t.contiguous()
     return t.to("cpu", non_blocking=False).pin_memory() if pin else t.cpu()
+
+
+@contextlib.contextmanager
+def whole_history(state) -> Iterator[None]:
+    """For one prefill forward of a tiered state: each layer attends to its hot and cold slots together
+    (:func:`union`), built when the layer runs and dropped after it."""
+    cold = state.cold
+    if cold is None or all(lay is None for lay in cold.layers):
+        yield
+        return
+    layers = state.cache.layers
+    for layer, lay in enumerate(layers):
+        if cold.layers[layer] is not None:
+            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], cold=cold, layer=layer)
+    try:
+        yield
+    finally:
+        for lay in layers:
+            lay.attend_to = None
+
+
+def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, cold: ColdKV,
+            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return union(keys, values, positions, cold.layers[layer], cold.stats)  # (B, Hkv, N + n, D) each
 
 
 # ---------------------------------------------------------------------- the per-process pool
