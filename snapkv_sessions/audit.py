@@ -95,8 +95,8 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
 
 def _previous_kept(store: SessionStore, session_id: str, rec: dict) -> tuple[int, list] | None:
     """For a tiered turn: the previous done turn's context and kept positions (None otherwise)."""
-    if not (rec["compression"] or {}).get("tier"):
-        return None
+    if not (rec["compression"] or {}).get("tier") or rec["drift_decision"] == "reprefill":
+        return None  # untiered, or rebuilt by a fresh prefill: nothing came back from a cold tier
     earlier = [t for t in store.turns(session_id, status="done") if t["turn"] < rec["turn"] and t["kept_positions"]]
     if not earlier:
         return None
@@ -233,6 +233,9 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
     scratch = SessionStore("sqlite://")
     if policy.memory is None:  # stored before the tiered memory existed: re-executed without it, as recorded
         policy = policy.model_copy(update={"memory": MemoryPolicy(cold=False)})
+    else:  # the process's pool settings stay as they are: a tier is lost below where the record says it was
+        policy = policy.model_copy(update={"memory": policy.memory.model_copy(update={"max_bytes": None,
+                                                                                      "spill_dir": None})})
     session = Session.create(model, policy=policy, store=scratch)
     by_user = {t["user_seq"]: t for t in done}
     # a tier lost to the byte cap depends on the process, not on the session: the re-execution loses it where

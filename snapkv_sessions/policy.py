@@ -212,8 +212,8 @@ class Policy(_Strict):
         for *parents, key in _LATER_FIELDS:  # at their default: the JSON (and hash) of a policy written before
             holder = data
             for part in parents:
-                holder = holder[part]
-            if holder[key] == _LATER_FIELDS[(*parents, key)]:
+                holder = holder.get(part) if isinstance(holder, dict) else None
+            if isinstance(holder, dict) and key in holder and holder[key] == _LATER_FIELDS[(*parents, key)]:
                 del holder[key]
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 

@@ -268,7 +268,8 @@ class ModelRunner:
         # Chunk, keeping the observation window inside the last chunk.
         bounds = list(range(0, len(todo), self.prefill_chunk)) + [len(todo)]
         if probe is not None and len(bounds) > 2 and bounds[-1] - bounds[-2] < window:
-            bounds[-2] = bounds[-1] - window
+            cut = bounds[-1] - window  # >= 0: the window fits the prompt (checked above)
+            bounds = [b for b in bounds[:-1] if b < cut] + [cut, bounds[-1]]
         logits = None
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             if lo == hi:

@@ -231,6 +231,14 @@ class Session:
             self._reset()  # first, whatever the store does next: the cache may hold part of the turn
             self._close_failed(turn, exc)
             raise
+        finally:
+            self._tier_done()
+
+    def _tier_done(self) -> None:
+        """The turn's tier may be evicted again, and the pool is brought within its cap (never raises)."""
+        if self.state.cold is not None:
+            POOL.done(self.state.cold)
+            POOL.enforce()  # the least recently used idle tiers go first
 
     def _close_failed(self, turn: int, exc: BaseException) -> None:
         """Record a failed turn as abandoned, if the store can; else it stays pending, and the next use of the
@@ -259,7 +267,7 @@ class Session:
             if self.state.cold.lost:  # only a live turn decides; a replay follows the record
                 raise StoreError(f"session_id={self.id!r}: the cold tier was lost ({self.state.cold.lost}) during "
                                  "a replay; open the session again")
-            POOL.touch(self.state.cold)
+            POOL.touch(self.state.cold)  # in use until the turn ends (_tier_done)
         plan = self.transcript.attach(plan, msgs, self._context(user_seq, plan.reprefill))
         run = self.runner.run(self.state, plan, self.policy.compression, gen, forced)
         self.transcript.advance(plan)
@@ -312,8 +320,6 @@ class Session:
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
-        if state.cold is not None:
-            POOL.enforce()  # the least recently used tiers go first; this session's was just used
         self.last_reply = Reply(
             text=text.text, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
             completion_tokens=len(result.tokens), context_tokens=state.next_position + len(pending),
@@ -347,6 +353,8 @@ class Session:
 
     def _sync(self) -> None:
         """Bring the cache up to the store: replay done turns not applied here; resolve a pending one."""
+        if self.state.cold is not None and self.state.cold.lost and self.turns_applied:
+            self._reset()  # the tier is gone: rebuild hot and cold by replaying from the start
         try:
             for rec in self.store.turns(self.id, status="done"):
                 if rec["turn"] > self.turns_applied:
@@ -369,7 +377,10 @@ class Session:
         """Run one recorded turn's plan again, its reply tokens forced: the cache ends as the live turn left it."""
         plan = TurnPlan.from_record(rec["segments"], rec["prefill_tokens"])
         reply = rec["decode_tokens"] + rec["pending_tokens"]
-        self._execute(plan, self.messages(up_to_seq=rec["user_seq"]), rec["user_seq"], forced=reply).finish()
+        try:
+            self._execute(plan, self.messages(up_to_seq=rec["user_seq"]), rec["user_seq"], forced=reply).finish()
+        finally:
+            self._tier_done()
         self.transcript.extend_reply(rec["user_seq"] + 1, reply)
         self.turns_applied = rec["turn"]
 

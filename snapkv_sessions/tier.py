@@ -268,7 +268,8 @@ def whole_history(state) -> Iterator[None]:
     layers = state.cache.layers
     for layer, lay in enumerate(layers):
         if cold.layers[layer] is not None:
-            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], cold=cold, layer=layer)
+            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], cold=cold, layer=layer,
+                                              history=state.next_position)
     try:
         yield
     finally:
@@ -276,9 +277,14 @@ def whole_history(state) -> Iterator[None]:
             lay.attend_to = None
 
 
-def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, cold: ColdKV,
-            layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return union(keys, values, positions, cold.layers[layer], cold.stats)  # (B, Hkv, N + n, D) each
+def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, cold: ColdKV, layer: int,
+            history: int) -> tuple[torch.Tensor, torch.Tensor]:
+    part = cold.layers[layer]
+    held = positions.shape[-1] + (0 if part is None else part.positions.shape[-1])
+    if held != history:  # hot and cold must hold every position once: never attend to an unfilled buffer
+        raise RuntimeError(f"layer {layer}: hot and cold hold {held} slots of a {history}-token history "
+                           f"(the tier was changed during the turn: {cold.lost or 'no reason recorded'})")
+    return union(keys, values, positions, part, cold.stats)  # (B, Hkv, N + n, D) each
 
 
 # ---------------------------------------------------------------------- the per-process pool
@@ -296,21 +302,33 @@ class TierPool:
     """Every cold tier of a process, under one byte cap: the least recently used session's tier goes first.
 
     With ``spill_dir`` an evicted tier is written there as safetensors and read back on its session's next
-    turn; without, it is dropped and its ``lost`` says why (the session then re-prefills from the store).
+    turn; without, it is dropped and its ``lost`` says why (the session then re-prefills from the store). A tier
+    in use by a running turn (between :meth:`touch` and :meth:`done`) is never evicted.
     """
 
     def __init__(self, max_bytes: int | None = None, spill_dir: str | Path | None = None) -> None:
         self._lock = threading.Lock()
         # least recently used first; weak, so a session that is dropped frees its tier with it
         self._tiers: OrderedDict[str, weakref.ref[ColdKV]] = OrderedDict()
+        self._busy: dict[str, int] = {}  # tier key -> turns running on it
+        self.max_bytes = default_cap()
+        self.spill_dir: Path | None = None
         self.configure(max_bytes, spill_dir)
 
     def configure(self, max_bytes: int | None, spill_dir: str | Path | None) -> None:
+        """Set what is given (None leaves a setting as it is; the default cap is a quarter of host memory)."""
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes < 0):
             raise ConfigError("memory.max_bytes", max_bytes, "must be a non-negative int or None")
-        self.max_bytes = default_cap() if max_bytes is None else max_bytes
-        self.spill_dir = Path(spill_dir) if spill_dir is not None else None
+        if max_bytes is not None:
+            self.max_bytes = max_bytes
+        if spill_dir is not None:
+            self.spill_dir = Path(spill_dir)
+
+    def reset(self, max_bytes: int | None = None, spill_dir: str | Path | None = None) -> None:
+        """Back to the defaults (or the given settings)."""
+        self.max_bytes, self.spill_dir = default_cap(), None
+        self.configure(max_bytes, spill_dir)
 
     def _live(self) -> list[ColdKV]:
         return [cold for ref in self._tiers.values() if (cold := ref()) is not None]
@@ -320,31 +338,53 @@ class TierPool:
         return sum(t.nbytes for t in self._live())
 
     def touch(self, cold: ColdKV) -> None:
-        """``cold`` is in use now: most recent, and back in memory if it was spilled."""
+        """A turn runs on ``cold``: most recent, in use until :meth:`done`, and back in memory if it was spilled."""
         with self._lock:
+            for key in [k for k, ref in self._tiers.items() if ref() is None]:  # sessions dropped since
+                del self._tiers[key]
             self._tiers[cold.key] = weakref.ref(cold)
             self._tiers.move_to_end(cold.key)
+            self._busy[cold.key] = self._busy.get(cold.key, 0) + 1
         if cold.spilled is not None:
             _unspill(cold)
 
+    def done(self, cold: ColdKV) -> None:
+        """The turn on ``cold`` ended (however it ended): it may be evicted again."""
+        with self._lock:
+            left = self._busy.get(cold.key, 0) - 1
+            if left > 0:
+                self._busy[cold.key] = left
+            else:
+                self._busy.pop(cold.key, None)
+
     def release(self, cold: ColdKV) -> None:
+        """Forget ``cold`` (its session restarted its cache), and its spill file if it has one."""
         with self._lock:
             self._tiers.pop(cold.key, None)
+            self._busy.pop(cold.key, None)
+        if cold.spilled is not None:
+            cold.spilled.unlink(missing_ok=True)
+            cold.spilled = None
 
     def enforce(self) -> list[ColdKV]:
-        """Evict least recently used tiers until the pool fits its cap; returns those evicted."""
+        """Evict least recently used tiers not in use until the pool fits its cap; returns those evicted.
+
+        Never raises: a spill that fails drops the tier instead, and says why in its ``lost``."""
         evicted = []
         with self._lock:
-            while self._tiers and self.nbytes > self.max_bytes:
-                key, ref = next(iter(self._tiers.items()))
-                del self._tiers[key]
-                cold = ref()
+            idle = [key for key in self._tiers if key not in self._busy]
+            while idle and self.nbytes > self.max_bytes:
+                cold = self._tiers.pop(idle.pop(0))()
                 if cold is None:
                     continue
+                reason = f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)"
                 if self.spill_dir is not None:
-                    _spill(cold, self.spill_dir)
+                    try:
+                        _spill(cold, self.spill_dir)
+                    except (OSError, RuntimeError) as exc:  # a full or unwritable disk: drop it instead
+                        cold.drop(f"{reason}; its spill failed ({type(exc).__name__}: {str(exc)[:200]})")
                 else:
-                    cold.drop(f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)")
+                    cold.drop(reason)
                 evicted.append(cold)
         return evicted
 

@@ -17,7 +17,7 @@ from snapkv_sessions.generation import GenerationConfig
 from snapkv_sessions.policy import Policy
 from snapkv_sessions.runner import ModelRunner
 from snapkv_sessions.store.blobs import unpack_positions
-from snapkv_sessions.tier import POOL
+from snapkv_sessions.tier import POOL, ColdKV, ColdLayer, TierPool
 
 TURN_LENGTHS = (50, 20, 5, 12, 25)  # the third turn is shorter than the window: it reaches back into the reply
 PINNED = range(10, 16)  # tokens of the first turn pinned, as a system prompt's would be
@@ -170,7 +170,7 @@ def test_a_small_cap_evicts_the_least_recent_tier(smollm2, tmp_path, spill):
         result = verify(store, a.id, smollm2)
         assert result.ok, result
     finally:
-        POOL.configure(None, None)
+        POOL.reset()
 
 
 def test_policy_memory_is_stated_at_creation_and_old_hashes_stay():
@@ -212,3 +212,51 @@ def test_keeping_the_reply_is_a_policy_choice():
         runner.turn(state, _turns()[1], comp, gen)
         reply_decoded = len(first.tokens) - 1  # the last token was pending
         assert fed[0] == (reply_decoded if refeed else 0) + 1 + len(_turns()[1])
+
+
+def _cold(n_bytes_per_layer: int = 64) -> ColdKV:
+    n = n_bytes_per_layer // 8  # keys and values of n float32 slots of one dim
+    layer = ColdLayer(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), torch.arange(n).view(1, 1, n))
+    return ColdKV(layers=[layer])
+
+
+def test_the_pool_never_evicts_a_tier_in_use(tmp_path):
+    """The least recently used idle tier goes first; one a running turn holds stays, whatever its age. A spill
+    that fails drops the tier with the reason instead of raising."""
+    pool = TierPool(max_bytes=100)
+    a, b = _cold(), _cold()
+    pool.touch(a)  # a's turn starts, and is still running
+    pool.touch(b)
+    pool.done(b)
+    assert pool.enforce() == [b] and b.lost.startswith("evicted by the cold tier's byte cap") and a.lost is None
+    pool.done(a)
+    c = _cold()
+    pool.touch(c)
+    pool.done(c)
+    assert pool.enforce() == [a]  # now idle, and the least recent
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    pool.reset(max_bytes=10, spill_dir=blocked / "spill")
+    assert pool.enforce() == [c] and "its spill failed" in c.lost and c.spilled is None
+
+
+def test_the_pool_forgets_dropped_sessions():
+    pool = TierPool(max_bytes=10_000)
+    pool.touch(_cold())  # nobody keeps it
+    kept = _cold()
+    pool.touch(kept)
+    assert len(pool._tiers) == 1 and pool.nbytes == kept.nbytes
+
+
+def test_chunked_prefill_feeds_every_token_once():
+    """A window longer than the last chunk moves the last cut back over earlier cuts, never before them."""
+    model = build_tiny("llama", layers=2)
+    ids = _turns()[0][:10]
+    whole, chunked = ModelRunner(model), ModelRunner(model, prefill_chunk=4)
+    a, b = whole.new_state(), chunked.new_state()
+    logits_a, probe_a = whole.prefill(a, ids, window=6)
+    logits_b, probe_b = chunked.prefill(b, ids, window=6)
+    assert a.next_position == b.next_position == 10 and a.token_ids == b.token_ids
+    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-5)
+    for layer in range(2):
+        torch.testing.assert_close(probe_a.scores[layer], probe_b.scores[layer], rtol=1e-4, atol=1e-6)
