@@ -353,10 +353,12 @@ class Session:
 
     def _sync(self) -> None:
         """Bring the cache up to the store: replay done turns not applied here; resolve a pending one."""
-        if self.state.cold is not None and self.state.cold.lost and self.turns_applied:
-            self._reset()  # the tier is gone: rebuild hot and cold by replaying from the start
+        done = self.store.turns(self.id, status="done")
+        if self.state.cold is not None and self.state.cold.lost and any(r["turn"] > self.turns_applied for r in done):
+            self._reset()  # turns to catch up on, and no tier to run them on: rebuild both from the start
+            done = self.store.turns(self.id, status="done")
         try:
-            for rec in self.store.turns(self.id, status="done"):
+            for rec in done:
                 if rec["turn"] > self.turns_applied:
                     self._replay(rec)
         except BaseException:  # a half-replayed turn: rebuild from the start next time
