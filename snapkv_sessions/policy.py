@@ -114,7 +114,7 @@ class MemoryPolicy(_Strict):
     cold: keep evicted KV in the host tier, so every turn's prefill sees the whole history and the hot set is
         chosen afresh from all of it (no re-prefill while the tier holds the session)
     max_bytes: the cap on the cold bytes of all sessions of this process (least recently used evicted first);
-        None: a quarter of the host's memory. The last session created sets it.
+        None: a quarter of the host's memory. A session whose policy states it sets the pool's (the latest wins).
     spill_dir: write an evicted session's tier here (safetensors) instead of dropping it
     on_shift: ``tier``: a detected task shift is served by the tier (no re-prefill while it holds the
         session); ``reprefill``: drift decides re-prefills as without the tier
