@@ -69,7 +69,7 @@ def test_demo_prints_each_question_before_its_answer(monkeypatch):
             yield {"event": "piece", "turn": n, "text": q.expected}
             yield {"turn": n, "user": q.text, "reply": q.expected, "expected": q.expected, "correct": True,
                    "context_tokens": 200, "cache_after": 160, "kept_per_role": {"system": 1.0},
-                   "compression_ms": 1.0, "reprefill": n > 2}
+                   "compression_ms": 1.0, "reprefill": False, "decision": "tiered" if n > 2 else "kept"}
         yield {"event": "verified", "session_id": "s1", "hash_chain_ok": True, "problems": []}
 
     monkeypatch.setattr(demo_module, "run_demo", scripted_run_demo)

@@ -106,7 +106,7 @@ def test_reprefill_equals_fresh_session_and_pins_survive(smollm2, tmp_path):
     again = Session.open(session.id, model=smollm2, store=store)
     for a, b in zip(session.state.positions, again.state.positions, strict=True):
         assert torch.equal(a, b)
-    assert again.drift._queued == ["Summarise the document in one sentence."]
+    assert [question for question, _ in again.drift._queued] == ["Summarise the document in one sentence."]
 
 
 @pytest.mark.parametrize(("drift", "recovery", "expected"), [
