@@ -40,7 +40,10 @@ class Scorer(Protocol):
         ----------
         window_probs : (B, Hq, T) the probe's window-mean attention over the layer's cache, float32
         state : the conversation: keys ``state.cache.layers[layer].keys`` (B, Hkv, T, D), true positions
-            ``state.positions[layer]`` (B, Hkv, T), token ids ``state.token_ids`` (indexed by true position)
+            ``state.positions[layer]`` (B, Hkv, T), token ids ``state.token_ids`` (indexed by true position),
+            ``state.pinned`` and ``state.next_position``. On a tiered session it is a
+            :class:`~snapkv_sessions.tier.UnionView` (the whole history, hot and cold), which offers exactly these;
+            a scorer must read nothing else.
         layer : the layer index
 
         Returns
