@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from .policy import ROLES, MemoryPolicy, Policy
 from .store import SessionStore
 from .store.blobs import unpack_positions
 from .transcript import TurnPlan
+
+if TYPE_CHECKING:  # the runner imports torch; the audit's table commands do not
+    from .runner import Selection
 
 
 def _role_of(store: SessionStore, session_id: str) -> dict[int, str]:
@@ -364,23 +368,28 @@ def find(store: SessionStore, session_id: str, text: str, turn: int | None = Non
     return {"session_id": session_id, "text": text, "occurrences": occurrences}
 
 
-def _detach(sel) -> tuple:
-    return (sel.layer, sel.positions[0].cpu(), sel.scores[0].float().cpu(), sel.chosen[0].cpu(),
-            sel.keep_mask.cpu())
+def _detach(sel: Selection) -> Selection:
+    """A host copy of one layer's selection (batch 0 kept as a batch of one)."""
+    from .runner import Selection
+
+    return Selection(sel.layer, sel.positions[:1].cpu(), sel.scores[:1].float().cpu(), sel.chosen[:1].cpu(),
+                     sel.keep_mask.cpu())
 
 
-def _context(sels: list[tuple]) -> int:
+def _context(sels: list[Selection]) -> int:
     """True positions the compression saw: its latest position plus one (slots are fewer once compressed)."""
-    return int(sels[0][1].max()) + 1
+    return int(sels[0].positions.max()) + 1
 
 
-def _held(turn: int, sels: list[tuple], positions: list[int]) -> dict:
+def _held(turn: int, sels: list[Selection], positions: list[int]) -> dict:
     """Per layer and KV head: the occurrence's tokens held, and the evicted ones with the margin they lost by."""
     import torch
 
     wanted = torch.tensor(positions)
     layers = []
-    for layer, pos, scores, chosen, keep in sels:  # pos (Hkv, T), scores (Hkv, T - W), chosen (Hkv, K)
+    for sel in sels:
+        layer, keep = sel.layer, sel.keep_mask
+        pos, scores, chosen = sel.positions[0], sel.scores[0], sel.chosen[0]  # (Hkv, T), (Hkv, T - W), (Hkv, K)
         hist = scores.shape[-1]
         heads = []
         for h in range(pos.shape[0]):
