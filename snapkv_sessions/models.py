@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,8 +104,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         stat = path.stat()
         tag = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
         target = cache_dir() / f"gguf-{path.stem}-{tag}"
-        if not (target / CONVERTED_MARKER).is_file():
-            _convert_gguf(path, target, {"source": str(path.resolve())})
+        build_once(target, lambda: (target / CONVERTED_MARKER).is_file(),
+                   lambda: _convert_gguf(path, target, {"source": str(path.resolve())}))
         return str(target)
     if path.exists() or key.startswith((".", "/", "~")):
         raise ModelResolveError(f"model={key!r}: not a model folder, a .gguf file or a bundle name {list(BUNDLES)}")
@@ -127,11 +128,39 @@ def _check_hub_cache(key: str) -> None:
                                 f"a local folder, a .gguf file or one of the bundles {list(BUNDLES)}")
 
 
+BUILD_WAIT_S = 900.0  # how long a process waits for another one's conversion of the same model
+
+
+def build_once(target: Path, ready: Callable[[], bool], build: Callable[[], None]) -> None:
+    """Run ``build`` (which writes ``target``) unless ``ready()``; processes that want the same ``target`` at once
+    wait for one build instead of each converting it, where one's final rename would remove the folder another
+    is already loading from."""
+    if ready():
+        return
+    from filelock import FileLock, Timeout
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with FileLock(str(target.parent / f".{target.name}.lock"), timeout=BUILD_WAIT_S):
+            if not ready():  # another process may have built it while this one waited
+                build()
+    except Timeout:
+        raise ModelResolveError(f"model cache {str(target)!r}: another process has been converting it for over "
+                                f"{BUILD_WAIT_S:.0f} s; try again when it is done") from None
+
+
 def _resolve_bundle(bundle: Bundle) -> Path:
     target = cache_dir() / bundle.name
     marker = target / CONVERTED_MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("sha256") == bundle.sha256:
-        return target
+
+    def ready() -> bool:
+        return marker.is_file() and json.loads(marker.read_text()).get("sha256") == bundle.sha256
+
+    build_once(target, ready, lambda: _build_bundle(bundle, target))
+    return target
+
+
+def _build_bundle(bundle: Bundle, target: Path) -> None:
     parts = bundle.locate()
     cache_dir().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
@@ -149,7 +178,6 @@ def _resolve_bundle(bundle: Bundle) -> Path:
                 f"the expected {bundle.sha256}; reinstall with `{bundle.install}`"
             )
         _convert_gguf(gguf, target, {"bundle": bundle.name, "sha256": bundle.sha256})
-    return target
 
 
 def _convert_gguf(gguf: Path, target: Path, source: dict) -> None:

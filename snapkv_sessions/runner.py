@@ -258,12 +258,13 @@ class ModelRunner:
         flags = [bool(pinned)] * len(ids) if isinstance(pinned, bool) else [bool(p) for p in pinned]
         if len(flags) != len(ids):
             raise ConfigError("pinned", f"{len(flags)} flags", f"must match the {len(ids)} tokens given")
-        todo, todo_flags = state.pending + ids, [False] * len(state.pending) + flags
-        if not todo:
+        n_todo = len(state.pending) + len(ids)
+        if not n_todo:
             raise ConfigError("ids", ids, "nothing to prefill")
-        if window is not None and window > len(todo):
-            raise ConfigError("window", window, f"is longer than the prompt ({len(todo)} tokens to prefill)")
-        state.pending = []
+        if window is not None and window > n_todo:
+            raise ConfigError("window", window, f"is longer than the prompt ({n_todo} tokens to prefill)")
+        pending, pending_flags = state.take_pending()
+        todo, todo_flags = pending + ids, pending_flags + flags
         probe = WindowProbe(window, turn_start=state.next_position) if window is not None else None
         # Chunk, keeping the observation window inside the last chunk.
         bounds = list(range(0, len(todo), self.prefill_chunk)) + [len(todo)]
@@ -471,9 +472,11 @@ class ModelRunner:
                               f"{state.next_position + len(state.pending)}")
         t0 = time.perf_counter()
         if state.cold is not None:
-            state.cold.begin_turn()
-            # the last reply's KV was decoded against the hot cache alone: feed it again, over the whole history
-            state.cold.rewind_reply(state)
+            state.cold.begin_turn(state)
+            # the last reply's KV was decoded against the hot cache alone: feed it again, over the whole history;
+            # a turn shorter than its window also feeds again the history its window reaches back over
+            short = plan.window - len(state.pending) - len(plan.tokens) if plan.window and compression else 0
+            state.cold.rewind(state, short)
         logits, probe = self.prefill(state, plan.tokens, pinned=plan.pinned_flags(), window=plan.window)
         result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=(time.perf_counter() - t0) * 1e3,
                             decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
@@ -517,7 +520,7 @@ class ModelRunner:
         if len(flags) != len(ids):
             raise ConfigError("pinned", f"{len(flags)} flags", f"must match the {len(ids)} tokens given")
         first = state.next_position + len(state.pending)
-        refed = state.cold.refed(state) if state.cold is not None else 0  # a tiered prefill feeds the reply again
+        refed = state.cold.refeedable(state) if state.cold is not None else 0  # a tiered prefill may feed history again
         window = None
         if compression is not None:
             window = observation_window(compression.window, refed + len(state.pending) + len(ids), first + len(ids))

@@ -254,7 +254,7 @@ class Session:
     def _context(self, user_seq: int, reprefill: bool) -> TurnContext:
         cold = self.state.cold
         return TurnContext(user_seq=user_seq, pending=len(self.state.pending), reprefill=reprefill,
-                           refed=cold.refed(self.state) if cold is not None and not reprefill else 0,
+                           refed=cold.refeedable(self.state) if cold is not None and not reprefill else 0,
                            window=self.policy.compression.window, min_prompt_tokens=self.policy.min_prompt_tokens)
 
     def _execute(self, plan: TurnPlan, msgs: list[Message], user_seq: int, gen: GenerationConfig | None = None,

@@ -27,8 +27,11 @@ class KVState:
     pinned:
         (N,) bool over true positions: positions that compression must never evict.
     pending:
-        Tokens of the transcript not yet in the cache (the last sampled token of a reply); the next prefill
-        feeds them first.
+        Tokens of the transcript not yet in the cache (the last sampled token of a reply, or history a tiered
+        turn feeds again); the next prefill feeds them first.
+    pending_pinned:
+        Pin flags of the first ``len(pending_pinned)`` pending tokens (history sent back by :meth:`requeue`);
+        the others are not pinned.
     reports:
         One CompressionReport per compression, in order.
     cold:
@@ -41,6 +44,7 @@ class KVState:
     token_ids: list[int] = field(default_factory=list)
     pinned: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     pending: list[int] = field(default_factory=list)
+    pending_pinned: list[bool] = field(default_factory=list)
     reports: list[CompressionReport] = field(default_factory=list)
     last_stop_reason: str | None = None
     cold: ColdKV | None = None
@@ -61,6 +65,20 @@ class KVState:
     def kept_positions(self, layer: int, head: int, batch: int = 0) -> list[int]:
         """True positions held by one layer and KV head."""
         return self.positions[layer][batch, head].tolist()
+
+    def requeue(self, start: int) -> None:
+        """Send the tokens at true positions ``start`` and after back to ``pending``, ahead of what is pending
+        there, with their pin flags. The caller has already taken their slots out of the cache."""
+        self.pending_pinned = self.pinned[start:].tolist() + self.pending_pinned
+        self.pending = self.token_ids[start:] + self.pending
+        del self.token_ids[start:]
+        self.pinned = self.pinned[:start]
+
+    def take_pending(self) -> tuple[list[int], list[bool]]:
+        """The pending tokens and their pin flags, leaving none pending."""
+        ids, flags = self.pending, self.pending_pinned + [False] * (len(self.pending) - len(self.pending_pinned))
+        self.pending, self.pending_pinned = [], []
+        return ids, flags
 
     def append(self, ids: list[int], pinned: list[bool], heads: int, device: torch.device) -> None:
         """Account for ``ids`` having been written to the end of every layer's cache."""

@@ -6,7 +6,7 @@ in host memory (pinned on CUDA). Hot and cold together always hold every positio
 so a turn's prefill can attend to all of it (:func:`union`, one layer at a time) and the compression can choose
 the new hot set from all of it (:class:`UnionView`): the turn then equals a fresh full prefill compressed with
 this turn's window ("re-prefill every turn"), without the re-prefill. The reply tokens, whose KV decode computed
-against the hot cache alone, are fed again with the next turn's tokens (:meth:`ColdKV.rewind_reply`).
+against the hot cache alone, are fed again with the next turn's tokens (:meth:`ColdKV.rewind`).
 
 :class:`TierPool` caps the bytes all sessions of a process keep cold, drops (or spills to disk as safetensors)
 the least recently used session's tier first, and says why; a session whose tier is gone re-prefills from the
@@ -84,6 +84,8 @@ class ColdKV:
     stats: TierStats = field(default_factory=TierStats)
     spilled: Path | None = None
     refeed_reply: bool = True  # False: the reply keeps the KV decode computed (policy memory.refeed_reply)
+    hot_at_start: list[torch.Tensor] = field(default_factory=list)  # set by begin_turn
+    history_at_start: int = 0
 
     @classmethod
     def empty(cls, num_layers: int) -> ColdKV:
@@ -98,29 +100,59 @@ class ColdKV:
         self.layers = [None] * len(self.layers)
         self.lost = reason
 
-    def begin_turn(self) -> None:
+    def begin_turn(self, state) -> None:
+        """A turn starts on ``state``: fresh stats, and what was hot (what "recalled" is counted against)."""
         self.stats = TierStats()
+        self.hot_at_start = list(state.positions)  # per layer (B, Hkv, T): slots hot before this turn
+        self.history_at_start = state.next_position
 
-    def refed(self, state) -> int:
-        """How many tokens of the last reply the next prefill feeds again (0 when it keeps their KV)."""
+    def refeedable(self, state) -> int:
+        """How many tokens of the history the next prefill may feed again: all of them, since each one's KV is
+        exactly recomputable over the whole history; none when the policy keeps the reply's decoded KV."""
+        return state.next_position if self.refeed_reply else 0
+
+    def reply_length(self, state) -> int:
+        """How many tokens of the last reply the next prefill must feed again (0 when it keeps their KV)."""
         if self.decode_start is None or not self.refeed_reply:
             return 0
         return max(0, state.next_position - self.decode_start)
 
-    def rewind_reply(self, state) -> int:
-        """Drop the last reply's decoded slots from the hot cache; their tokens go back to ``state.pending`` so
-        the next prefill computes their KV over the whole history. Returns how many tokens were rewound."""
-        n, start = self.refed(state), self.decode_start
+    def rewind(self, state, n: int = 0) -> int:
+        """Send the history's last ``n`` tokens (at least the last reply's) back to ``state.pending``, so the next
+        prefill computes their KV, and their queries' scores, over the whole history.
+
+        The reply alone was appended last by decode in every layer: its slots are cut off the hot cache. Reaching
+        further back (a turn shorter than the observation window, whose window must reach back as far as a full
+        prefill's) folds the layer's hot slots into the cold tier, where every position below the cut is then
+        held once. The turn's compression chooses hot afresh from the union either way. Returns the tokens rewound.
+        """
+        reply = self.reply_length(state)
         self.decode_start = None
+        n = min(max(n, reply), state.next_position)
         if n == 0:
             return 0
+        start = state.next_position - n
         for layer, lay in enumerate(state.cache.layers):
-            lay.truncate(lay.length - n)  # decode appended them last, in every layer
-            state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)
-        state.pending = state.token_ids[start:] + state.pending
-        del state.token_ids[start:]
-        state.pinned = state.pinned[:start]
+            if n == reply:
+                lay.truncate(lay.length - n)  # decode appended them last, in every layer
+                state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)
+            else:
+                self._fold(state, layer, start)
+        state.requeue(start)
         return n
+
+    def _fold(self, state, layer: int, start: int) -> None:
+        """Move the layer's whole history below ``start`` to the cold tier (every head holds all of it) and
+        empty its hot slots; the slots at ``start`` and after are dropped."""
+        lay = state.cache.layers[layer]
+        keys, values = union(lay.keys, lay.values, state.positions[layer], self.layers[layer], self.stats)
+        pin = keys.device.type == "cuda"
+        bsz, heads = keys.shape[:2]
+        positions = torch.arange(start, device=keys.device).expand(bsz, heads, start)  # (B, Hkv, start)
+        self.layers[layer] = ColdLayer(_host(keys[:, :, :start], pin), _host(values[:, :, :start], pin),
+                                       _host(positions, pin)) if start else None
+        lay.truncate(0)
+        state.positions[layer] = state.positions[layer][..., :0]  # (B, Hkv, 0)
 
 
 def _spread(slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
@@ -224,14 +256,27 @@ class UnionView:
             idx = chosen.get(layer)
             if idx is None:
                 idx = self.positions[layer]  # the layer fits: every position back to hot
-            was_hot = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)  # (B, Hkv, N)
-            was_hot.scatter_(-1, state.positions[layer], True)
-            self.cold.stats.recalled += int((~was_hot.gather(-1, idx)).sum())
+            self.cold.stats.recalled += self._recalled(layer, idx, keys.shape[:3])
             rows = idx[..., None].expand(-1, -1, -1, keys.shape[-1])  # (B, Hkv, K, D)
             state.cache.layers[layer].replace(keys.gather(2, rows), values.gather(2, rows))
             state.positions[layer] = idx
             self.cold.layers[layer] = _evicted(keys, values, idx)
         self._memo = None
+
+    def _recalled(self, layer: int, chosen: torch.Tensor, shape: torch.Size) -> int:
+        """Slots of ``chosen`` that came back from cold: held before the turn, and not hot then."""
+        before = self.cold.hot_at_start
+        if layer >= len(before):  # the first turn: nothing was held
+            return 0
+        return _recalled_count(before[layer], self.cold.history_at_start, chosen, shape)
+
+
+def _recalled_count(hot_before: torch.Tensor, history: int, chosen: torch.Tensor, shape: torch.Size) -> int:
+    """How many ``chosen`` (B, Hkv, K) true positions below ``history`` were not among ``hot_before``."""
+    was_hot = torch.zeros(shape, dtype=torch.bool, device=chosen.device)  # (B, Hkv, N)
+    was_hot.scatter_(-1, hot_before.to(chosen.device), True)
+    was_hot[..., history:] = True  # this turn's tokens were never cold
+    return int((~was_hot.gather(-1, chosen)).sum())
 
 
 def _evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> ColdLayer | None:

@@ -156,7 +156,7 @@ class TurnContext:
 
     user_seq: int
     pending: int = 0  # tokens sampled last turn, not yet in the cache (fed before the plan's tokens)
-    refed: int = 0  # the last reply's tokens a tiered prefill feeds again (before the pending ones)
+    refed: int = 0  # history a tiered prefill may feed again (the reply, and as far back as its window reaches)
     reprefill: bool = False
     window: int = 32
     min_prompt_tokens: int = 0

@@ -169,6 +169,39 @@ def test_a_missing_model_fails_fast_without_the_network(monkeypatch):
     assert attempts == []
 
 
+def test_concurrent_loads_convert_a_model_once(tmp_path):
+    """Workers that load the same bundle at once wait for one conversion: none sees the folder half-replaced
+    (two benchmarks started together used to fail with 'no file named model.safetensors')."""
+    import shutil
+    import threading
+    import time
+
+    from snapkv_sessions.models import build_once
+
+    target, builds, seen = tmp_path / "model", [], []
+
+    def build():  # like the GGUF conversion: write a staging folder, replace the target, rename
+        builds.append(1)
+        staging = tmp_path / f".staging-{len(builds)}"
+        staging.mkdir()
+        time.sleep(0.3)
+        (staging / "weights").write_text("w")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+
+    def worker():
+        build_once(target, lambda: (target / "weights").is_file(), build)
+        seen.append((target / "weights").read_text())  # a loader reading right after its own resolve
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and seen == ["w"] * 4
+
+
 def test_cli_store_errors_are_one_line_and_create_nothing(tmp_path):
     from click.testing import CliRunner
     from sqlalchemy import update

@@ -28,15 +28,18 @@ def _turns(seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, 90, (n,), generator=g).tolist() for n in TURN_LENGTHS]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiered_turns_equal_reprefill_every_turn(kind):
+@pytest.mark.parametrize(("kind", "reply"), [("llama", 6), ("qwen2", 6), ("llama", 1), ("qwen2", 2)])
+def test_tiered_turns_equal_reprefill_every_turn(kind, reply):
     """Five turns with pins: kept sets, the hot keys and values, and greedy replies equal those of a fresh full
     prefill compressed with each turn's window; the hot cache never exceeds the budget plus the turn's tokens
-    while decoding; the transient buffer is at most one layer's history; pins are always hot."""
+    while decoding; the transient buffer is at most one layer's history; pins are always hot.
+
+    With replies of 1 or 2 tokens the third turn feeds fewer tokens than the window (5 and a reply against 8):
+    its window reaches back into the previous turn's tokens, as a full prefill's does."""
     runner = ModelRunner(build_tiny(kind, layers=3))
     budget, window = 40, 8
     comp = CompressionConfig.make(budget=budget, window=window)
-    gen = GenerationConfig(max_new_tokens=6, eos_token_ids=())
+    gen = GenerationConfig(max_new_tokens=reply, eos_token_ids=())
     tiered, history, history_pins = runner.new_state(tiered=True), [], []
     heads, dim = runner.num_kv_heads, 16
     held: list[int] = []
@@ -48,10 +51,13 @@ def test_tiered_turns_equal_reprefill_every_turn(kind):
 
     runner.step = watched
     for i, ids in enumerate(_turns()):
-        pins = [i == 0 and j in PINNED for j in range(len(ids))]
+        # the first turn's pins, as a system prompt's; the second turn's last two tokens, which the short third
+        # turn feeds again: their pins must come back with them
+        pins = [(i == 0 and j in PINNED) or (i == 1 and j >= len(ids) - 2) for j in range(len(ids))]
         held.clear()
         got = runner.turn(tiered, ids, comp, gen, pinned=pins)
-        assert max(held) <= budget + len(got.tokens)  # budget + this turn's reply, at every step
+        assert len(held) == len(got.tokens) - 1  # every decode step was watched (the last token stays pending)
+        assert max(held, default=budget) <= budget + len(got.tokens)  # budget + this turn's reply, at every step
         ref_state = runner.new_state()
         ref = runner.turn(ref_state, history + ids, comp, gen, pinned=history_pins + pins)
         assert got.tokens == ref.tokens, f"turn {i}"
@@ -60,8 +66,10 @@ def test_tiered_turns_equal_reprefill_every_turn(kind):
             torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(a.values, b.values, rtol=1e-4, atol=1e-5)
         # the pins are hot in every layer and head
+        pinned_at = {p for p, flag in enumerate(history_pins + pins) if flag}
+        assert torch.equal(tiered.pinned[: got.prefill_end], torch.tensor(history_pins + pins))
         for kept in got.kept:
-            assert set(PINNED) <= set(kept[0, 0].tolist()) and set(PINNED) <= set(kept[0, -1].tolist())
+            assert all(pinned_at <= set(head.tolist()) for head in kept[0])
         # hot and cold together hold every position once; the transient union is one layer's history
         for layer, cold in enumerate(tiered.cold.layers):
             hot = tiered.positions[layer][0]
