@@ -40,6 +40,8 @@ def test_method_policies():
     # the tiered method is the session with the tier; every other method runs without it
     assert method_policy("tiered", 0.3, 16).tiered and not method_policy("session", 0.3, 16).tiered
     assert method_policy("tiered", 0.3, 16).pins == method_policy("session", 0.3, 16).pins
+    every = method_policy("every", 0.3, 16)  # re-prefill every turn: every drift score crosses the threshold
+    assert every.drift.threshold == 0.0 and every.recovery.min_turns_between == 0 and not every.tiered
 
 
 def test_quality_and_knee_small_runs(smollm2, tmp_path):
@@ -48,7 +50,11 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
                                     "--plot", str(tmp_path / "quality.png")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["items"] == 8 and set(out["summary"]) == {"full", "session", "tiered", "streaming", "snapkv"}
+    assert out["items"] == 8
+    assert set(out["summary"]) == {"full", "session", "tiered", "every", "streaming", "snapkv"}
+    assert out["summary"]["every"]["agreement_with_every_turn"] == 1.0
+    assert out["summary"]["every"]["reprefills"] == 1  # the second turn of the one switch item; the rest are single-turn
+
     assert set(out["summary"]["full"]["by_task_split"]) == {"lookup/document", "copy/document", "switch/document",
                                                             *(f"rule/{r}" for r in ("system", "developer",
                                                                                      "tool_schema", "user",

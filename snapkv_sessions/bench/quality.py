@@ -2,8 +2,9 @@
 
 quality: single-turn document lookup, exact copy of a line, compliance with a format rule placed in each role
 (system, developer, tool schema, user, document), and multi-turn task switching; compared across the full cache,
-this project's session (pins + drift re-prefill), the session with the tiered memory, StreamingLLM (sinks +
-recent window) and per-turn SnapKV without pins or recovery.
+this project's session (pins + drift re-prefill), the session with the tiered memory, the session re-prefilling
+every turn, StreamingLLM (sinks + recent window) and per-turn SnapKV without pins or recovery. Each method's
+replies are also compared with re-prefill every turn's, item by item.
 
 knee: see :mod:`snapkv_sessions.bench.knee` (B* by length, per task and selection).
 """
@@ -19,13 +20,14 @@ import torch
 from ..policy import Policy
 from ..session import Session
 from ..store import SessionStore
-from .shift import SYSTEM, first_turn, is_correct, is_degenerate, make_scenario
+from .shift import SYSTEM, agreement, first_turn, is_correct, is_degenerate, make_scenario
 
 # A format rule this model follows with the full cache wherever it is stated (measured on Qwen2.5-Coder-0.5B:
 # 6/6 in the system prompt and in the user turn; "start with ANSWER:" and "answer in capitals" were ignored).
 RULE = 'Always reply with JSON of the form {"answer": "..."}.'
 COPY_PASS = 0.9  # a copy counts as right when it reproduces at least this share of the line's words, in order
 ROLE_SPLITS = ("system", "developer", "tool_schema", "user", "document")
+METHODS = ("full", "session", "tiered", "every", "streaming", "snapkv")
 
 
 def method_policy(method: str, ratio: float, window: int) -> Policy:
@@ -39,6 +41,9 @@ def method_policy(method: str, ratio: float, window: int) -> Policy:
                  "memory": no_tier},
         "session": {**session, "memory": no_tier},
         "tiered": {**session, "memory": {"cold": True, "on_shift": "tier"}},  # the session with the tiered memory
+        # the best any selection does at the budget: a fresh full prefill, compressed with each turn's window
+        "every": {**session, "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
+                  "recovery": {"min_turns_between": 0}, "memory": no_tier},
         "streaming": {"compression": {**comp, "method": "streaming"}, "pins": no_pins, "drift": {"embedder": "none"},
                       "memory": no_tier},
         "snapkv": {"compression": comp, "pins": no_pins, "drift": {"embedder": "none"}, "memory": no_tier},
@@ -103,9 +108,10 @@ def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
     session = Session.create(runner, policy=policy, store=store, system=SYSTEM)
     for msg in item["setup"]:
         store.add_message(session.id, msg["role"], msg["content"], msg.get("name"))
-    reply = None
+    reply, reprefills = None, 0
     for question, _ in item["turns"]:
         reply = session.chat(question, max_new_tokens=max_new_tokens)
+        reprefills += any(kind == "reprefill" for kind, _ in reply.events)  # the cache rebuilt from the store
     expect = item["turns"][-1][1]  # the last turn is the one scored
     score = None
     if item["task"] == "rule":
@@ -116,12 +122,14 @@ def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
     else:
         ok = is_correct(reply.text, expect)
     return {"task": item["task"], "split": item["split"], "correct": ok, "copy_score": score,
-            "degenerate": is_degenerate(reply.token_ids, reply.stop_reason), "reply": reply.text.strip()[:200]}
+            "degenerate": is_degenerate(reply.token_ids, reply.stop_reason), "reply": reply.text.strip()[:200],
+            "tokens": list(reply.token_ids), "reprefills": reprefills}
+
 
 
 def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, records: int = 40, log=print) -> dict:
     t0 = time.perf_counter()
-    rows = {m: [] for m in ("full", "session", "tiered", "streaming", "snapkv")}
+    rows = {m: [] for m in METHODS}
     for i, item in enumerate(items(n, records)):
         for method in rows:
             rows[method].append(run_item(runner, item, method_policy(method, ratio, window), max_new_tokens))
@@ -135,7 +143,9 @@ def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, 
         copies = [r["copy_score"] for r in rs if r["copy_score"] is not None]
         summary[method] = {"accuracy": round(sum(r["correct"] for r in rs) / len(rs), 3), "by_task_split": by,
                            "copy_score_mean": round(sum(copies) / len(copies), 3) if copies else None,
-                           "degenerate_rate": round(sum(r["degenerate"] for r in rs) / len(rs), 3)}
+                           "degenerate_rate": round(sum(r["degenerate"] for r in rs) / len(rs), 3),
+                           "reprefills": sum(r["reprefills"] for r in rs),
+                           "agreement_with_every_turn": agreement(rs, rows["every"])}
     return {"benchmark": "quality", "budget_ratio": ratio, "window": window, "items": len(rows["full"]),
             "summary": summary, "minutes": round((time.perf_counter() - t0) / 60, 1), "rows": rows}
 
@@ -176,6 +186,9 @@ def quality_table(result: dict) -> str:
     for key in keys:
         lines.append(f"{key:<22}" + "".join(f"{result['summary'][m]['by_task_split'][key]:>11.2f}" for m in methods))
     lines.append(f"{'all':<22}" + "".join(f"{result['summary'][m]['accuracy']:>11.2f}" for m in methods))
+    lines.append(f"{'= every turn':<22}" + "".join(
+        f"{result['summary'][m].get('agreement_with_every_turn', 0):>11.2f}" for m in methods))
+    lines.append(f"{'re-prefills':<22}" + "".join(f"{result['summary'][m].get('reprefills', 0):>11}" for m in methods))
     return "\n".join(lines)
 
 
