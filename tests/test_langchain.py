@@ -16,8 +16,9 @@ from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from snapkv_sessions.chat import Message  # noqa: E402
+from snapkv_sessions.conversations import StreamFilter  # noqa: E402
 from snapkv_sessions.errors import ConfigError  # noqa: E402
-from snapkv_sessions.integrations.langchain import ChatSnapKV, _StreamFilter, reply_view, to_message  # noqa: E402
+from snapkv_sessions.integrations.langchain import ChatSnapKV, reply_view, to_message  # noqa: E402
 from snapkv_sessions.integrations.openai import (  # noqa: E402
     openai_message,
     parse_tool_calls,
@@ -208,7 +209,7 @@ def test_message_conversion():
     (["  ", '{"name": ', '"adder"}'], True, ["", "", ""]),  # maybe a bare JSON call: nothing shown
 ])
 def test_stream_filter(pieces, tools, shown):
-    flt = _StreamFilter(tools)
+    flt = StreamFilter(tools)
     assert [flt.feed(p) for p in pieces] == shown
 
 

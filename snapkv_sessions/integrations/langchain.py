@@ -51,12 +51,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..chat import Message
+from ..conversations import FINISH, StreamFilter, commit, reply_view, unseen, with_tools
 from ..errors import ConfigError
-from ..generation import cut_at_stop
 from ..policy import ROLES, Policy
 from ..session import Reply, Session
 from ..store import SessionStore
-from .openai import TOOL_CALL_OPEN, could_be_tool_call, parse_tool_calls, stored_text, tool_names, tool_schema_message
+from .openai import stored_text, tool_names
 
 # Cross-provider LangChain parameters (``init_chat_model`` and the standard tests pass them) that mean nothing for
 # a local model: accepted and dropped, so that every other unknown parameter can be refused.
@@ -65,7 +65,6 @@ _GENERATION_KWARGS = {"max_tokens": "max_new_tokens", "max_new_tokens": "max_new
                       "top_k": "top_k", "top_p": "top_p", "seed": "seed"}
 _TEXT_BLOCKS = ("text", "text-plain")
 _SKIPPED_BLOCKS = ("tool_use", "tool_call", "tool_call_chunk", "thinking", "reasoning", "function_call")
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 @dataclass
@@ -119,55 +118,6 @@ def to_message(msg: BaseMessage, index: int = 0) -> Message:
     if isinstance(msg, ChatMessage) and msg.role in ROLES:
         return Message(role=msg.role, content=_text(msg, where), name=msg.name)
     raise ConfigError(f"{where}.type", getattr(msg, "role", msg.type), f"cannot be stored; session roles are {list(ROLES)}")
-
-
-def _key(msg: Message) -> tuple:
-    """What must be equal for a stored message and an incoming one to be the same message."""
-    return (msg.role, None if msg.role == "assistant" else msg.name, msg.content)
-
-
-def _call_id(session_id: str, turn: int, index: int) -> str:
-    """Deterministic ids, so a reply read back from the store gets the ids its AIMessage had."""
-    return f"call_{session_id[:8]}_{turn}_{index}"
-
-
-def reply_view(session_id: str, turn: int, text: str, tools: list[str] | None) -> tuple[str, list[dict]]:
-    """The content and tool calls (with ids) an AIMessage shows for a reply's text."""
-    if not tools:
-        return text, []
-    content, calls = parse_tool_calls(text, tools)
-    return content, [{**c, "id": _call_id(session_id, turn, i)} for i, c in enumerate(calls)]
-
-
-class _StreamFilter:
-    """How much of a streamed reply may be shown yet when tools are bound: no tool-call markup.
-
-    Stop strings are not its business: ``Session.stream`` never yields text at or past one (nor a tail that could
-    start one), so without tools every piece passes through unchanged.
-    """
-
-    def __init__(self, tools: bool) -> None:
-        self.tools = tools
-        self.markers = [TOOL_CALL_OPEN] if tools else []
-        self.text = ""
-        self.shown = ""
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        safe = self._safe()
-        if len(safe) <= len(self.shown):
-            return ""
-        out, self.shown = safe[len(self.shown):], safe
-        return out
-
-    def _safe(self) -> str:
-        if self.tools and could_be_tool_call(self.text):
-            return ""  # maybe a bare JSON call: shown (or turned into a call) once the reply is complete
-        cut = min([self.text.find(m) for m in self.markers if m in self.text] + [len(self.text)])
-        head = self.text[:cut]
-        # hold back a tail that may be the first characters of "<tool_call>"
-        held = max([k for m in self.markers for k in range(1, len(m)) if head.endswith(m[:k])] + [0])
-        return head[: len(head) - held]
 
 
 def _in_memory(url: str) -> bool:
@@ -354,41 +304,17 @@ class ChatSnapKV(BaseChatModel):
                                            legacy_title=self._title(thread_id))
         return None if sid is None else Session.open(sid, model=self.model, store=store)
 
-    def _stored_keys(self, session: Session, tools: list[str] | None) -> list[tuple]:
-        """Keys of the session's active messages; a reply is keyed as the AIMessage it was returned as."""
-        done = session.store.turns(session.id, status="done")
-        replies = {row["assistant_seq"]: (row["turn"], (row["generation"] or {}).get("stop") or []) for row in done}
-        keys = []
-        for msg in session.messages():
-            if msg.seq in replies:
-                turn, stops = replies[msg.seq]
-                content, calls = reply_view(session.id, turn, cut_at_stop(msg.content, stops), tools)
-                msg = Message(role="assistant", content=stored_text(content, calls))
-            keys.append(_key(msg))
-        return keys
-
     def _session_for(self, thread_id: str, wanted: list[Message], tools: list[str] | None) -> tuple[Session, list[Message]]:
         """The thread's session and the messages it has not seen; a new session when ``wanted`` does not extend it."""
         session = self._threads.get(thread_id) or self._reopen(thread_id)
-        if session is not None:
-            keys = self._stored_keys(session, tools)
-            if len(keys) < len(wanted) and [_key(m) for m in wanted[: len(keys)]] == keys:
-                self._threads[thread_id] = session
-                return session, wanted[len(keys):]
+        if session is not None and (new := unseen(session, wanted, tools)) is not None:
+            self._threads[thread_id] = session
+            return session, new
         # the title is for people listing sessions; the thread is found again through the indexed thread_id
         session = Session.create(self.model, policy=self._policy, store=self._session_store(),
                                  title=self._title(thread_id), thread_id=thread_id, history=wanted[:-1])
         self._threads[thread_id] = session
         return session, wanted[-1:]
-
-    @staticmethod
-    def _commit(session: Session, message: Message) -> None:
-        """Commit a message the session has not seen and that does not start the turn."""
-        if message.role not in ("user", "assistant"):
-            session.add_message(message)
-            return
-        # a caller's earlier exchange (user/assistant messages the session did not produce) is history
-        session.add_history(message)
 
     # ------------------------------------------------------------------ one call
 
@@ -398,10 +324,7 @@ class ChatSnapKV(BaseChatModel):
         wanted = [to_message(m, i) for i, m in enumerate(messages)]
         if wanted[-1].role not in ("user", "tool"):
             raise ConfigError("messages[-1].role", wanted[-1].role, "the last message must be a human or tool message")
-        if tools:  # after the leading system / developer messages, where a tool list belongs
-            at = next((i for i, m in enumerate(wanted) if m.role not in ("system", "developer")), len(wanted))
-            wanted.insert(at, tool_schema_message(tools, tool_choice))
-        return wanted
+        return with_tools(wanted, tools, tool_choice)
 
     def _generation(self, stop: list[str] | None, kwargs: dict) -> dict:
         gen = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
@@ -434,7 +357,7 @@ class ChatSnapKV(BaseChatModel):
         with self._thread_lock(thread_id):
             session, new = self._session_for(thread_id, wanted, names)
             for message in new[:-1]:
-                self._commit(session, message)
+                commit(session, message)
             yield _Turn(session, new[-1], generation, names, thread_id)
 
     def _reply_parts(self, turn: _Turn, reply: Reply) -> tuple[str, list[dict], UsageMetadata, dict]:
@@ -442,7 +365,7 @@ class ChatSnapKV(BaseChatModel):
         usage = UsageMetadata(input_tokens=reply.prompt_tokens, output_tokens=reply.completion_tokens,
                               total_tokens=reply.prompt_tokens + reply.completion_tokens)
         drift = next((payload for kind, payload in reply.events if kind == "drift"), {})
-        meta = {"model_name": self.model_name, "finish_reason": "tool_calls" if calls else _FINISH[reply.stop_reason],
+        meta = {"model_name": self.model_name, "finish_reason": "tool_calls" if calls else FINISH[reply.stop_reason],
                 "stop_reason": reply.stop_reason, "session_id": reply.session_id, "thread_id": turn.thread_id,
                 "turn": reply.turn, "context_tokens": reply.context_tokens, "cache_tokens": max(reply.cache_tokens),
                 "kept_per_role": reply.kept_per_role, "drift_score": drift.get("score"),
@@ -463,7 +386,7 @@ class ChatSnapKV(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         with self._turn(messages, stop, kwargs) as turn:
-            shown = _StreamFilter(bool(turn.tools))  # the session already holds back stop strings
+            shown = StreamFilter(bool(turn.tools))  # the session already holds back stop strings
             for piece in turn.session.stream(turn.message, **turn.generation):
                 text = shown.feed(piece)
                 if text:
