@@ -514,6 +514,60 @@ def replay(session_id, db, turn, do_verify, against, plot_path, find_text, model
     click.echo(json.dumps(_jsonable(rows), indent=2) if as_json else _replay_table(rows))
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
+    """Keys from ``--api-key`` and from a file (one per line; blank lines and ``#`` comments skipped)."""
+    found = {k.strip() for k in keys if k.strip()}
+    if key_file is not None:
+        try:
+            lines = open(key_file, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise click.ClickException(f"--api-key-file={key_file!r}: cannot read it ({exc.strerror})") from None
+        found |= {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+    short = [k for k in found if len(k) < 16]
+    if short:
+        raise click.ClickException(f"--api-key: keys must be at least 16 characters ({len(short)} shorter)")
+    return frozenset(found)
+
+
+@main.command("serve")
+@click.option("--model", required=True, help="Model id, folder, GGUF or bundle (one model per process).")
+@click.option("--policy", default="default", show_default=True, help="Policy name or YAML path for new sessions.")
+@click.option("--db", default=None, help="SQLAlchemy URL or SQLite path of the store (default: embedded SQLite).")
+@click.option("--redis", "redis_url", default=None, help="Redis URL for locks and hot state (several workers).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, help="Port to bind.")
+@click.option("--api-key", "api_keys", multiple=True, help="A bearer key clients must send (repeatable).")
+@click.option("--api-key-file", default=None, help="A file of bearer keys, one per line.")
+@click.option("--max-queue", default=16, show_default=True, help="Requests that may wait; more get 429.")
+@click.option("--request-timeout", default=600.0, show_default=True, help="Seconds a request may wait and run.")
+@click.option("--max-tokens", default=256, show_default=True, help="Reply cap when a request gives none.")
+@click.option("--max-live", default=16, show_default=True, help="Sessions kept in memory (others rebuilt from the store).")
+@clean_errors
+def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
+          max_live) -> None:
+    """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
+    keys = _api_keys(api_keys, api_key_file)
+    if not keys and host not in LOOPBACK:
+        click.echo(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it "
+                   "can use and read every session", err=True)
+    try:
+        import uvicorn
+
+        from .serve import ServeOptions, Service, create_app
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    from .store import SessionStore
+
+    quiet_loaders()
+    service = Service(model, policy, SessionStore(db, redis_url=redis_url), max_live=max_live, max_tokens=max_tokens)
+    app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout))
+    click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+
+
 @main.command("resolve")
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

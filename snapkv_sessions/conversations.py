@@ -18,6 +18,7 @@ from .errors import ConfigError
 from .generation import cut_at_stop
 from .integrations.openai import TOOL_CALL_OPEN, could_be_tool_call, parse_tool_calls, stored_text, tool_schema_message
 from .session import Session
+from .store import SessionStore
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # a reply's stop reason as OpenAI's finish_reason
 
@@ -40,23 +41,27 @@ def reply_view(session_id: str, turn: int, text: str, tools: list[str] | None) -
     return content, [{**c, "id": call_id(session_id, turn, i)} for i, c in enumerate(calls)]
 
 
-def stored_keys(session: Session, tools: list[str] | None) -> list[tuple]:
-    """Keys of the session's active messages; a reply is keyed as the message it was returned as."""
-    done = session.store.turns(session.id, status="done")
+def stored_keys(store: SessionStore, session_id: str, tools: list[str] | None) -> list[tuple]:
+    """Keys of a session's active messages; a reply is keyed as the message it was returned as."""
+    done = store.turns(session_id, status="done")
     replies = {row["assistant_seq"]: (row["turn"], (row["generation"] or {}).get("stop") or []) for row in done}
     keys = []
-    for msg in session.messages():
-        if msg.seq in replies:
-            turn, stops = replies[msg.seq]
-            content, calls = reply_view(session.id, turn, cut_at_stop(msg.content, stops), tools)
+    for row in store.messages(session_id, include_abandoned=False):
+        msg = Message(role=row["role"], content=row["content"], name=row["name"])
+        if row["seq"] in replies:
+            turn, stops = replies[row["seq"]]
+            content, calls = reply_view(session_id, turn, cut_at_stop(msg.content, stops), tools)
             msg = Message(role="assistant", content=stored_text(content, calls))
         keys.append(message_key(msg))
     return keys
 
 
-def unseen(session: Session, wanted: list[Message], tools: list[str] | None) -> list[Message] | None:
-    """The messages of ``wanted`` past what ``session`` stored, when that is a proper prefix of it; else None."""
-    keys = stored_keys(session, tools)
+def unseen(session: Session | tuple[SessionStore, str], wanted: list[Message],
+           tools: list[str] | None) -> list[Message] | None:
+    """The messages of ``wanted`` past what a session (a Session, or a store and a session id) stored, when that is
+    a proper prefix of ``wanted``; else None. Reads the store only: no cache is rebuilt to answer."""
+    store, session_id = (session.store, session.id) if isinstance(session, Session) else session
+    keys = stored_keys(store, session_id, tools)
     if len(keys) < len(wanted) and [message_key(m) for m in wanted[: len(keys)]] == keys:
         return wanted[len(keys):]
     return None

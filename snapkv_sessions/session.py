@@ -43,6 +43,7 @@ class SessionOptions(TypedDict, total=False):
     redis_url: str | None
     history: list | None
     thread_id: str | None
+    owner: str | None
 
 
 class Session:
@@ -85,11 +86,19 @@ class Session:
         if not isinstance(store, SessionStore):
             store = SessionStore(store, redis_url=options.get("redis_url"))
         runner, model_id = runner_for(model)
+        return cls.create_on(runner, model_id, policy, store, options)
+
+    @classmethod
+    def create_on(cls, runner: ModelRunner, model_id: str, policy: Policy, store: SessionStore,
+                  options: SessionOptions) -> Session:
+        """A new session on a loaded ``runner`` stored under ``model_id`` (a server names its model once for all
+        its sessions); ``policy`` as loaded and stated (:meth:`Policy.stated`)."""
         system = options.get("system")
         first = [Message.coerce({"role": "system", "content": system})] if system is not None else []
         first += [Message.coerce(m) for m in options.get("history") or []]  # all checked before anything is stored
         sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=options.get("title"),
-                                   meta={"model_fingerprint": runner.fingerprint}, thread_id=options.get("thread_id"))
+                                   meta={"model_fingerprint": runner.fingerprint}, thread_id=options.get("thread_id"),
+                                   owner=options.get("owner"))
         session = cls(sid, store, runner, policy, model_id)
         try:
             for message in first:
@@ -98,6 +107,24 @@ class Session:
             store.delete_session(sid)
             raise
         return session
+
+    def fork(self, turn: int | None = None, *, title: str | None = None) -> Session:
+        """A new session holding this one's conversation up to and including the reply of ``turn`` (default: the
+        last done turn), with the same model, policy and owner. This session is not changed. The fork's first turn
+        prefills its whole history from the store, which is exact; after that the two go their own ways."""
+        done = {row["turn"]: row for row in self.store.turns(self.id, status="done")}
+        if turn is None and not done:
+            raise ConfigError("turn", turn, f"session {self.id} has no done turn to fork at")
+        turn = max(done) if turn is None else turn
+        if isinstance(turn, bool) or not isinstance(turn, int) or turn not in done:
+            raise ConfigError("turn", turn, f"must be a done turn of session {self.id} ({sorted(done)})")
+        upto = done[turn]["assistant_seq"]
+        history = [Message(role=m.role, content=m.content, name=m.name, pinned=m.pinned)
+                   for m in self.messages(up_to_seq=upto)]
+        row = self.store.get_session(self.id)
+        return Session.create_on(self.runner, self.model_id, self.policy, self.store,
+                               {"history": history, "title": title or f"fork of {self.id} at turn {turn}",
+                                "owner": row.get("owner")})
 
     @classmethod
     def open(cls, session_id: str, model=None, store: SessionStore | str | None = None,

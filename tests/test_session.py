@@ -14,7 +14,7 @@ from conftest import pg_store
 from sqlalchemy import update
 
 from snapkv_sessions import Session, SessionStore
-from snapkv_sessions.errors import BudgetError
+from snapkv_sessions.errors import BudgetError, ConfigError
 from snapkv_sessions.session import AdmissionError
 from snapkv_sessions.store import schema
 
@@ -241,3 +241,20 @@ def test_in_memory_store_is_one_database_for_every_thread():
     worker.start()
     worker.join()
     assert seen == ["m"]
+
+
+def test_a_fork_continues_as_the_original_did(smollm2, tmp_path):
+    """Fork at turn 1 and ask turn 2's question: with the tiered memory (the default) every turn equals a fresh
+    prefill compressed with its window, so the fork's first turn (a prefill of the stored history) gives the
+    original's turn-2 reply, token for token. The original is not changed; a bad turn is a clear error."""
+    store = SessionStore(f"sqlite:///{tmp_path / 'sessions.db'}")
+    session = new_session(smollm2, store)
+    session.chat(QUESTIONS[0], max_new_tokens=8)
+    second = session.chat(QUESTIONS[1], max_new_tokens=8)
+    fork = session.fork(1)
+    assert [(m.role, m.content) for m in fork.messages()] == [
+        (m.role, m.content) for m in session.messages(up_to_seq=store.turns(session.id)[0]["assistant_seq"])]
+    assert fork.chat(QUESTIONS[1], max_new_tokens=8).token_ids == second.token_ids
+    assert [t["turn"] for t in store.turns(session.id)] == [1, 2] and fork.verify() == []
+    with pytest.raises(ConfigError, match=r"^turn=5: must be a done turn"):
+        session.fork(5)

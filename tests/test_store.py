@@ -29,7 +29,9 @@ from snapkv_sessions.store.migrations import applied
 
 M002_COLUMNS = {"messages": {"token_count", "pins"}, "sessions": {"thread_id"}}
 M003_COLUMNS = {"messages": {"seal"}, "sessions": {"message_count", "seal"}, "turns": {"seal"}}
-LATER_COLUMNS = {t: M002_COLUMNS.get(t, set()) | M003_COLUMNS.get(t, set()) for t in ("messages", "sessions", "turns")}
+M004_COLUMNS = {"sessions": {"owner"}}
+LATER_COLUMNS = {t: M002_COLUMNS.get(t, set()) | M003_COLUMNS.get(t, set()) | M004_COLUMNS.get(t, set())
+                 for t in ("messages", "sessions", "turns")}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.service)])
@@ -206,18 +208,19 @@ def write_m001_database(url: str) -> str:
 
 
 def check_migrated(url: str, sid: str) -> None:
-    store = SessionStore(url)  # opening applies m002 and m003
+    store = SessionStore(url)  # opening applies m002, m003 and m004
     insp = inspect(store.engine)
     for table, cols in LATER_COLUMNS.items():
         assert cols <= {c["name"] for c in insp.get_columns(table)}
-    assert "ix_sessions_thread" in {i["name"] for i in insp.get_indexes("sessions")}
+    assert {"ix_sessions_thread", "ix_sessions_owner"} <= {i["name"] for i in insp.get_indexes("sessions")}
     with store.engine.connect() as conn:
         assert set(conn.execute(select(applied.c.name)).scalars()) == {"m001_initial", "m002_counts_pins_threads",
-                                                                        "m003_seals"}
+                                                                        "m003_seals", "m004_owner"}
     # the rows are kept, the chain intact, the rows counted and sealed, the other new columns empty
     assert [(m["role"], m["content"], m["token_count"], m["pins"]) for m in store.messages(sid)] == [
         ("system", "Be brief.", None, None), ("document", "Parcel 1 goes to Ada.", None, None)]
     assert store.verify(sid) == [] and store.get_session(sid)["thread_id"] is None
+    assert store.get_session(sid)["owner"] is None and store.sessions_at_head(None, [store.get_session(sid)["head_hash"]])
     assert store.get_session(sid)["message_count"] == 2
     # the old session is usable: found by its title, counted once, and the chain goes on
     assert store.session_for_thread("old", legacy_title="langchain thread old") == sid

@@ -22,7 +22,7 @@ GENESIS = "0" * 64
 # audit from the transcript). A migration that adds a column adds it here and reseals the existing rows.
 SEALED: dict[str, tuple[str, ...]] = {
     "sessions": ("id", "model_id", "policy_json", "policy_sha256", "title", "turns_done", "head_hash",
-                 "message_count", "meta", "thread_id"),
+                 "message_count", "meta", "thread_id", "owner"),
     "messages": ("session_id", "seq", "role", "name", "content", "pinned", "status", "turn", "token_count", "pins",
                  "prev_hash", "hash"),
     "turns": ("session_id", "turn", "status", "user_seq", "assistant_seq", "prefill_tokens", "decode_tokens",

@@ -51,7 +51,16 @@ def m003_seals(conn: Connection, key: bytes | None) -> None:
               .scalar_subquery())
     conn.execute(update(schema.sessions).values(message_count=n_msgs))
     for table in (schema.sessions, schema.messages, schema.turns):
-        reseal(conn, table, key)
+        reseal(conn, table, key, migrating=True)
+
+
+def m004_owner(conn: Connection, key: bytes | None) -> None:
+    """sessions.owner (indexed with head_hash): the server scopes sessions to the API key that created them and
+    finds a conversation's session by its content hash. Sessions stored before have no owner (local use)."""
+    _add_missing(conn, ((schema.sessions, "owner"),))
+    if "ix_sessions_owner" not in {i["name"] for i in inspect(conn).get_indexes("sessions")}:
+        next(i for i in schema.sessions.indexes if i.name == "ix_sessions_owner").create(conn)
+    reseal(conn, schema.sessions, key, migrating=True)  # the seal now covers the owner
 
 
 def _add_missing(conn: Connection, columns: tuple[tuple[Table, str], ...]) -> None:
@@ -64,16 +73,24 @@ def _add_missing(conn: Connection, columns: tuple[tuple[Table, str], ...]) -> No
             conn.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column} {kind}"))
 
 
-def reseal(conn: Connection, table: Table, key: bytes | None, *where: ColumnElement[bool]) -> None:
-    """Recompute the seal of ``table``'s rows matching ``where`` (all rows without), as they are now in ``conn``."""
-    for row in conn.execute(select(table).where(*where)).mappings():
-        conn.execute(update(table).where(table.c.id == row["id"]).values(seal=row_seal(key, table.name, row)))
+def reseal(conn: Connection, table: Table, key: bytes | None, *where: ColumnElement[bool],
+           migrating: bool = False) -> None:
+    """Recompute the seal of ``table``'s rows matching ``where`` (all rows without), as they are now in ``conn``.
+
+    ``migrating``: the table may still lack a column a later migration adds; it is sealed as empty (None), which
+    is what that migration's reseal then finds in it."""
+    present = {c["name"] for c in inspect(conn).get_columns(table.name)} if migrating else None
+    cols = [c for c in table.c if present is None or c.name in present]
+    for row in conn.execute(select(*cols).where(*where)).mappings():
+        full = {c.name: row.get(c.name) for c in table.c}
+        conn.execute(update(table).where(table.c.id == row["id"]).values(seal=row_seal(key, table.name, full)))
 
 
 MIGRATIONS: list[tuple[str, Callable[[Connection, bytes | None], None]]] = [
     ("m001_initial", m001_initial),
     ("m002_counts_pins_threads", m002_counts_pins_threads),
     ("m003_seals", m003_seals),
+    ("m004_owner", m004_owner),
 ]
 
 

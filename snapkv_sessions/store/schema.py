@@ -37,6 +37,7 @@ sessions = Table(
     Column("thread_id", String(256)),  # an agent framework's thread (LangChain's thread_id), m002
     Column("message_count", Integer),  # messages in the chain, so a deleted last message shows, m003
     Column("seal", String(64)),  # hashing.row_seal over the SEALED columns, m003
+    Column("owner", String(64)),  # who may use it (the server's API key, as a digest; None: anyone local), m004
 )
 
 messages = Table(
@@ -108,4 +109,5 @@ events = Table(
 
 Index("ix_messages_session", messages.c.session_id, messages.c.seq)
 Index("ix_sessions_thread", sessions.c.thread_id)
+Index("ix_sessions_owner", sessions.c.owner, sessions.c.head_hash)
 Index("ix_events_session", events.c.session_id, events.c.id)

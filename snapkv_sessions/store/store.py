@@ -9,7 +9,7 @@ import contextlib
 import os
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -202,12 +202,15 @@ class SessionStore:
     # ------------------------------------------------------------------ sessions
 
     def create_session(self, model_id: str, policy_json: str, policy_sha256: str, title: str | None = None,
-                       meta: dict | None = None, *, thread_id: str | None = None) -> str:
+                       meta: dict | None = None, *, thread_id: str | None = None, owner: str | None = None) -> str:
         """A new, empty session; returns its id.
 
         ``thread_id`` ties it to an agent framework's conversation (LangChain's ``thread_id``), found again with
-        :meth:`session_for_thread` through an index.
+        :meth:`session_for_thread` through an index. ``owner``: who may use it (the server stores a digest of the
+        API key that created it), found again with :meth:`sessions_at_head`.
         """
+        if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 64):
+            raise ConfigError("owner", owner, "must be a non-empty string of at most 64 characters")
         if thread_id is not None and (not isinstance(thread_id, str) or not thread_id
                                       or len(thread_id) > schema.sessions.c.thread_id.type.length):
             raise ConfigError("thread_id", thread_id,
@@ -218,7 +221,7 @@ class SessionStore:
             conn.execute(insert(schema.sessions).values(
                 id=sid, created_at=now, updated_at=now, model_id=model_id, policy_json=policy_json,
                 policy_sha256=policy_sha256, title=title, turns_done=0, head_hash=GENESIS, meta=meta or {},
-                thread_id=thread_id, message_count=0))
+                thread_id=thread_id, message_count=0, owner=owner))
             self._reseal(conn, schema.sessions, schema.sessions.c.id == sid)
         return sid
 
@@ -254,6 +257,23 @@ class SessionStore:
         with self.engine.connect() as conn:
             return conn.execute(q).scalar()
 
+    def sessions_at_head(self, owner: str | None, heads: Sequence[str], *, model_id: str | None = None,
+                         policy_sha256: str | None = None) -> list[dict]:
+        """``owner``'s sessions whose message chain ends at one of ``heads`` (content hashes, see
+        :func:`~.hashing.message_hash`), newest first: an indexed lookup of a conversation by its content."""
+        cols = schema.sessions.c
+        if not heads:
+            return []
+        q = select(cols.id, cols.head_hash, cols.message_count).where(
+            cols.owner.is_(None) if owner is None else cols.owner == owner, cols.head_hash.in_(list(heads)))
+        if model_id is not None:
+            q = q.where(cols.model_id == model_id)
+        if policy_sha256 is not None:
+            q = q.where(cols.policy_sha256 == policy_sha256)
+        q = q.order_by(cols.updated_at.desc(), cols.id.desc())
+        with self.engine.connect() as conn:
+            return [dict(r) for r in conn.execute(q).mappings()]
+
     def get_session(self, session_id: str) -> dict:
         with self.engine.connect() as conn:
             row = conn.execute(select(schema.sessions).where(schema.sessions.c.id == session_id)).mappings().first()
@@ -261,10 +281,14 @@ class SessionStore:
             raise StoreError(f"session_id={session_id!r}: no such session in {self!r}")
         return dict(row)
 
-    def list_sessions(self) -> list[dict]:
+    def list_sessions(self, *, owner: str | None = None, any_owner: bool = True) -> list[dict]:
+        """Every session, oldest first; with ``any_owner=False`` only ``owner``'s (None: sessions without one)."""
         n_msgs = (select(func.count()).select_from(schema.messages)
                   .where(schema.messages.c.session_id == schema.sessions.c.id).scalar_subquery())
         q = select(schema.sessions, n_msgs.label("messages")).order_by(schema.sessions.c.created_at)
+        if not any_owner:
+            cols = schema.sessions.c
+            q = q.where(cols.owner.is_(None) if owner is None else cols.owner == owner)
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 

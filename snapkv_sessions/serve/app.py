@@ -1,0 +1,223 @@
+"""The HTTP layer: FastAPI routes in OpenAI's shapes over :class:`~.service.Service`, SSE through sse-starlette.
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, and the session endpoints ``GET /v1/sessions``,
+``GET /v1/sessions/{id}``, ``POST /v1/sessions/{id}/verify``, ``POST /v1/sessions/{id}/fork``,
+``DELETE /v1/sessions/{id}``. Every error is OpenAI's error body with the right status: 400 for a bad field
+(named in ``param``), 401 without a valid key, 404 for a session the caller does not own, 409 when a named session
+does not continue, 429 when the queue is full (with ``Retry-After``), 503 while shutting down, 504 past the
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from ..errors import ConfigError, SnapKVError
+from ..store import StoreError
+from . import protocol
+from .service import Conflict, NotFound, Service, TurnOutput, TurnRequest, owner_of
+from .worker import Busy, DeadlineExceeded, Job, ShuttingDown, Worker
+
+SESSION_HEADER = "X-Session-Id"
+
+
+@dataclass
+class ServeOptions:
+    """How the server admits work: keys, queue length, per-request deadline."""
+
+    api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no keys (local use)
+    max_queue: int = 16
+    request_timeout_s: float = 600.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error(str(self), self.kind, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+def as_api_error(exc: BaseException) -> ApiError:
+    """Every failure as the error a client is shown: no traceback, a bounded message."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ConfigError):
+        return ApiError(400, str(exc)[:1000], "invalid_request_error", exc.param, "invalid_value")
+    if isinstance(exc, NotFound):
+        return ApiError(404, str(exc), "invalid_request_error", "session_id", "session_not_found")
+    if isinstance(exc, Conflict):
+        return ApiError(409, str(exc), "invalid_request_error", "messages", "history_mismatch")
+    if isinstance(exc, Busy):
+        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ShuttingDown):
+        return ApiError(503, str(exc), "server_error", None, "shutting_down")
+    if isinstance(exc, DeadlineExceeded):
+        return ApiError(504, str(exc), "timeout_error", None, "deadline_exceeded")
+    if isinstance(exc, (StoreError, SnapKVError)):
+        return ApiError(500, f"{type(exc).__name__}: {str(exc)[:500]}", "server_error")
+    return ApiError(500, f"internal error ({type(exc).__name__})", "server_error")
+
+
+def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI:
+    options = options or ServeOptions()
+    worker: Worker | None = None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        nonlocal worker
+        worker = Worker(options.max_queue)
+        yield
+        await asyncio.to_thread(worker.close)  # the running turn finishes; waiting ones are refused
+
+    app = FastAPI(title="snapkv-sessions", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _any_error(_request: Request, exc: Exception) -> JSONResponse:
+        return as_api_error(exc).response()
+
+    def owner(request: Request) -> str | None:
+        if not options.api_keys:
+            return None
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in options.api_keys):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                           "invalid_request_error", None, "invalid_api_key")
+        return owner_of(key)
+
+    async def run(fn, job_timeout: float | None = None):
+        """Run ``fn(job)`` on the worker and wait for it; errors come back as API errors."""
+        assert worker is not None
+        job = worker.submit(fn, job_timeout or options.request_timeout_s)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        owner(request)
+        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
+                                            "owned_by": "snapkv-sessions"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        who = owner(request)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the body must be JSON", "invalid_request_error", "body", "invalid_json") from None
+        req = protocol.parse(body)
+        turn = service.prepare(req, who, request.headers.get(SESSION_HEADER))
+        if req.stream:
+            return await _stream(request, req, turn)
+        out: TurnOutput = await run(lambda job: service.chat(turn, job))
+        use = protocol.usage(out.reply.prompt_tokens, out.reply.completion_tokens)
+        body = protocol.completion(protocol.completion_id(), req.model, out.content, out.calls, out.finish, use,
+                                   _extra(out))
+        return JSONResponse(body, headers={SESSION_HEADER: out.session_id})
+
+    async def _stream(request: Request, req: protocol.ChatCompletionRequest, turn: TurnRequest):
+        assert worker is not None
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+
+        def emit(text: str) -> None:
+            loop.call_soon_threadsafe(pieces.put_nowait, text)
+
+        def work(job: Job) -> TurnOutput | None:
+            try:
+                return service.stream(turn, job, emit)
+            finally:
+                loop.call_soon_threadsafe(pieces.put_nowait, None)
+
+        job = worker.submit(work, options.request_timeout_s)  # a full queue is a 429 before the stream opens
+        cid = protocol.completion_id()
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield json.dumps(protocol.chunk(cid, req.model, {"role": "assistant", "content": ""}))
+                while (text := await pieces.get()) is not None:
+                    yield json.dumps(protocol.chunk(cid, req.model, {"content": text}))
+                try:
+                    out = await asyncio.wrap_future(job.future)
+                except Exception as exc:  # noqa: BLE001 - the stream is open: the error goes in it
+                    yield json.dumps(protocol.error(str(as_api_error(exc)), as_api_error(exc).kind))
+                    return
+                if out is None:  # stopped at the deadline: the turn was abandoned
+                    yield json.dumps(protocol.error("the request ran past its deadline", "timeout_error"))
+                    return
+                rest = out.content[len(out.shown):]  # what was shown is a prefix of the final content
+                delta: dict = {"content": rest} if rest else {}
+                if out.calls:
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(protocol.tool_calls(out.calls))]
+                yield json.dumps({**protocol.chunk(cid, req.model, delta, out.finish), **_extra(out)})
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    use = protocol.usage(out.reply.prompt_tokens, out.reply.completion_tokens)
+                    yield json.dumps(protocol.chunk(cid, req.model, {}, use=use, choices=False))
+                yield "[DONE]"
+            finally:
+                job.cancelled.set()  # the client left (or the stream ended): a running turn stops and is abandoned
+
+        async def sse() -> AsyncIterator[dict]:
+            async for data in events():
+                yield {"data": data}
+
+        headers = {SESSION_HEADER: turn.session_id} if turn.session_id else {}
+        return EventSourceResponse(sse(), headers=headers, ping=15)
+
+    # ------------------------------------------------------------------ sessions
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request) -> dict:
+        who = owner(request)
+        return {"object": "list", "data": await run(lambda job: service.sessions(who))}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def show_session(session_id: str, request: Request) -> dict:
+        who = owner(request)
+        return await run(lambda job: service.show(session_id, who))
+
+    @app.post("/v1/sessions/{session_id}/verify")
+    async def verify_session(session_id: str, request: Request) -> dict:
+        who = owner(request)
+        return await run(lambda job: service.verify(session_id, who))
+
+    @app.post("/v1/sessions/{session_id}/fork")
+    async def fork_session(session_id: str, request: Request) -> dict:
+        who = owner(request)
+        raw = await request.body()
+        body = json.loads(raw) if raw.strip() else {}
+        turn = body.get("turn") if isinstance(body, dict) else None
+        return await run(lambda job: service.fork(session_id, who, turn))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> dict:
+        who = owner(request)
+        return await run(lambda job: service.delete(session_id, who))
+
+    return app
+
+
+def _extra(out: TurnOutput) -> dict:
+    """Fields beside OpenAI's: the session that served the turn (clients send it back as ``X-Session-Id``)."""
+    return {"session_id": out.session_id, "turn": out.reply.turn, "context_tokens": out.reply.context_tokens}

@@ -1,0 +1,244 @@
+"""What the server does with a request, independent of HTTP: which session continues it, the turn, the replies.
+
+A request carries the whole conversation. The session it continues is
+
+* the one named by ``X-Session-Id`` (or ``metadata.session_id``): its stored messages must be a proper prefix of
+  the request's, or the request is refused (409), since silently starting over would lose the cache;
+* else, among the caller's own sessions, the one whose message chain hashes to the longest proper prefix of the
+  request's messages (the chain is content-addressed: :func:`~snapkv_sessions.store.hashing.message_hash`), found
+  through an index; replies containing tool calls are compared as they were returned, over the caller's most
+  recent sessions, when no chain matches;
+* else a new session, with the request's earlier messages as its history.
+
+Only the messages past the stored prefix are committed and prefilled. Sessions belong to the API key that created
+them (a digest of it is stored); another key's sessions do not exist for a caller (404, never 403).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..chat import Message
+from ..conversations import FINISH, StreamFilter, commit, reply_view, unseen, with_tools
+from ..errors import ConfigError
+from ..generation import GenerationConfig
+from ..integrations.openai import tool_names
+from ..models import runner_for
+from ..policy import Policy
+from ..session import Reply, Session
+from ..store import SessionStore, StoreError
+from ..store.hashing import GENESIS, message_hash
+from . import protocol
+from .worker import Job
+
+SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
+
+
+class NotFound(LookupError):
+    """No such session for this caller."""
+
+
+class Conflict(ValueError):
+    """The named session's history is not a prefix of the request's messages."""
+
+
+def owner_of(api_key: str | None) -> str | None:
+    """What a session stores of its creator's API key: a digest, never the key (None: local use without keys)."""
+    return None if api_key is None else hashlib.sha256(api_key.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass
+class TurnRequest:
+    """A checked request, ready to run."""
+
+    wanted: list[Message]
+    tools: list[str] | None
+    generation: dict
+    session_id: str | None
+    owner: str | None
+    model: str
+
+
+@dataclass
+class TurnOutput:
+    """What a finished turn returns to the client."""
+
+    reply: Reply
+    content: str
+    calls: list[dict]
+    finish: str
+    session_id: str
+    new_session: bool
+    shown: str = ""  # the text already streamed (a prefix of ``content``)
+
+
+class Service:
+    """The model, the policy, the store and the live sessions of one server process.
+
+    Every method that touches the model runs on the worker thread (see :mod:`.worker`); the live sessions are
+    kept in a small LRU (``max_live``), and a session that left it is rebuilt exactly from the store when next used.
+    """
+
+    def __init__(self, model, policy: str | dict | Policy | None, store: SessionStore, max_live: int = 16,
+                 max_tokens: int = 256) -> None:
+        self.runner, self.model_id = runner_for(model)
+        self.policy = Policy.load(policy).stated()
+        self.store = store
+        self.max_live, self.max_tokens = max_live, max_tokens
+        self.live: OrderedDict[str, Session] = OrderedDict()
+
+    # ------------------------------------------------------------------ requests
+
+    def prepare(self, req: protocol.ChatCompletionRequest, owner: str | None, session_header: str | None) -> TurnRequest:
+        """Check a request (no model work): its messages as session messages, tools, generation settings."""
+        if req.model != self.model_id:
+            raise ConfigError("model", req.model, f"this server serves {self.model_id!r} only")
+        wanted = with_tools(protocol.to_messages(req), req.tools, req.tool_choice)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        gen = {"max_new_tokens": req.max_completion_tokens or req.max_tokens or self.max_tokens, "stop": stops}
+        if req.temperature is not None:
+            gen["temperature"] = req.temperature
+        if req.top_p is not None:
+            gen["top_p"] = req.top_p
+        if req.seed is not None:
+            gen["seed"] = req.seed
+        GenerationConfig.from_call(gen)  # a bad combination is refused before anything is stored
+        session_id = session_header or (req.metadata or {}).get("session_id")
+        return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
+
+    def chat(self, turn: TurnRequest, job: Job) -> TurnOutput:
+        session, new, fresh = self._session_for(turn)
+        for message in new[:-1]:
+            commit(session, message)
+        reply = session.chat(new[-1], **turn.generation)
+        return self._output(turn, session, reply, fresh)
+
+    def stream(self, turn: TurnRequest, job: Job, emit) -> TurnOutput | None:
+        """Stream a turn: ``emit(text)`` for each piece that may be shown. Stops, abandoning the turn cleanly, when
+        the job is told to (the client left, or the deadline passed); then returns None."""
+        session, new, fresh = self._session_for(turn)
+        for message in new[:-1]:
+            commit(session, message)
+        shown = StreamFilter(bool(turn.tools))
+        pieces: Iterator[str] = session.stream(new[-1], **turn.generation)
+        try:
+            for piece in pieces:
+                if job.should_stop():
+                    return None
+                text = shown.feed(piece)
+                if text:
+                    emit(text)
+        finally:
+            pieces.close()  # a stream left early abandons its turn: no half turn is stored
+        out = self._output(turn, session, session.last_reply, fresh)
+        out.shown = shown.shown
+        return out
+
+    def _output(self, turn: TurnRequest, session: Session, reply: Reply, fresh: bool) -> TurnOutput:
+        content, calls = reply_view(session.id, reply.turn, reply.text, turn.tools)
+        finish = "tool_calls" if calls else FINISH[reply.stop_reason]
+        return TurnOutput(reply, content, calls, finish, session.id, fresh)
+
+    # ------------------------------------------------------------------ which session
+
+    def _session_for(self, turn: TurnRequest) -> tuple[Session, list[Message], bool]:
+        """The session that continues ``turn``, the messages it has not seen, and whether it is new."""
+        if turn.session_id is not None:
+            self._owned(turn.session_id, turn.owner)
+            new = unseen((self.store, turn.session_id), turn.wanted, turn.tools)
+            if new is None:
+                raise Conflict(f"session {turn.session_id}: its stored messages are not a proper prefix of the "
+                               "request's messages")
+            return self._live(turn.session_id), new, False
+        found = self._continued(turn)
+        if found is not None:
+            sid, new = found
+            return self._live(sid), new, False
+        session = Session.create_on(self.runner, self.model_id, self.policy, self.store,
+                                    {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served"})
+        self._remember(session)
+        return session, turn.wanted[-1:], True
+
+    def _continued(self, turn: TurnRequest) -> tuple[str, list[Message]] | None:
+        """The caller's session holding the longest proper prefix of the request, by content hash, then by view."""
+        heads, prev = {}, GENESIS
+        for seq, msg in enumerate(turn.wanted[:-1], 1):
+            prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
+            heads[prev] = seq
+        hits = self.store.sessions_at_head(turn.owner, list(heads), model_id=self.model_id,
+                                           policy_sha256=self.policy.sha256)
+        for hit in sorted(hits, key=lambda h: -heads[h["head_hash"]]):
+            new = unseen((self.store, hit["id"]), turn.wanted, turn.tools)
+            if new is not None:
+                return hit["id"], new
+        best: tuple[str, list[Message]] | None = None
+        for row in reversed(self.store.list_sessions(owner=turn.owner, any_owner=False)[-SCAN_RECENT:]):
+            if row["model_id"] != self.model_id or row["policy_sha256"] != self.policy.sha256:
+                continue
+            new = unseen((self.store, row["id"]), turn.wanted, turn.tools)
+            # an empty stored prefix (a session whose turns were all abandoned) continues nothing
+            if new is not None and len(new) < len(turn.wanted) and (best is None or len(new) < len(best[1])):
+                best = (row["id"], new)
+        return best
+
+    def _live(self, session_id: str) -> Session:
+        session = self.live.get(session_id)
+        if session is None:
+            session = Session.open(session_id, model=self.runner, store=self.store)
+        self._remember(session)
+        return session
+
+    def _remember(self, session: Session) -> None:
+        self.live[session.id] = session
+        self.live.move_to_end(session.id)
+        while len(self.live) > self.max_live:
+            self.live.popitem(last=False)  # rebuilt exactly from the store when next used
+
+    # ------------------------------------------------------------------ session endpoints
+
+    def _owned(self, session_id: str, owner: str | None) -> dict:
+        """The session row, if it exists and belongs to ``owner``; else :class:`NotFound` (ids leak nothing)."""
+        try:
+            row = self.store.get_session(session_id)
+        except StoreError:
+            raise NotFound(f"no session {session_id!r}") from None
+        if row.get("owner") != owner:
+            raise NotFound(f"no session {session_id!r}")
+        return row
+
+    def sessions(self, owner: str | None) -> list[dict]:
+        return [{"id": r["id"], "object": "session", "created_at": int(r["created_at"].timestamp()),
+                 "model": r["model_id"], "title": r["title"], "turns": r["turns_done"], "messages": r["messages"]}
+                for r in self.store.list_sessions(owner=owner, any_owner=False)]
+
+    def show(self, session_id: str, owner: str | None) -> dict:
+        from .. import audit
+
+        row = self._owned(session_id, owner)
+        return {"id": session_id, "object": "session", "model": row["model_id"], "policy_sha256": row["policy_sha256"],
+                "turns": audit.turn_rows(self.store, session_id)}
+
+    def verify(self, session_id: str, owner: str | None) -> dict:
+        """The store's integrity checks, then every done turn re-executed against its record."""
+        from .. import audit
+
+        self._owned(session_id, owner)
+        result = audit.verify(self.store, session_id, self.runner)
+        mismatch = None if result.mismatch is None else {
+            "turn": result.mismatch.turn, "field": result.mismatch.field}
+        return {"id": session_id, "ok": result.ok, "turns_checked": result.turns_checked, "mismatch": mismatch}
+
+    def fork(self, session_id: str, owner: str | None, turn: int | None) -> dict:
+        self._owned(session_id, owner)
+        fork = self._live(session_id).fork(turn)
+        return {"id": fork.id, "object": "session", "forked_from": session_id,
+                "messages": len(self.store.messages(fork.id))}
+
+    def delete(self, session_id: str, owner: str | None) -> dict:
+        self._owned(session_id, owner)
+        self.live.pop(session_id, None)
+        self.store.delete_session(session_id)
+        return {"id": session_id, "object": "session", "deleted": True}

@@ -1,0 +1,97 @@
+"""One model, one thread: the jobs of every request run in order on a single worker, behind a bounded queue.
+
+A process serves one model; its forward passes run one at a time (the runner's hooks and the sessions' caches
+are not shared between threads). Requests wait in a queue of bounded length: when it is full a request is refused
+at once (HTTP 429 with ``Retry-After``) instead of piling up. A job whose deadline passes while it waits is not
+started; one that is running when its deadline passes is told to stop (:attr:`Job.cancelled`), which a streamed
+turn honours between tokens by closing its stream (the turn is then abandoned cleanly, as any abandoned
+``Session.stream`` is).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+class Busy(RuntimeError):
+    """The queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is busy: {retry_after} s until a slot is likely free")
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed before or while its job ran."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping and takes no new work."""
+
+
+@dataclass
+class Job:
+    fn: Callable[[Job], object]
+    deadline: float  # time.monotonic() after which the job must not start, and should stop
+    future: Future = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def should_stop(self) -> bool:
+        """Checked by a running job between steps (tokens): the client left, or the deadline passed."""
+        return self.cancelled.is_set() or self.expired()
+
+
+class Worker:
+    """Runs jobs one at a time on its own thread, from a queue of at most ``max_queue`` waiting jobs."""
+
+    def __init__(self, max_queue: int, typical_job_s: float = 5.0) -> None:
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self.typical_job_s = typical_job_s
+        self.closing = False
+        self.thread = threading.Thread(target=self._loop, name="snapkv-serve-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[Job], object], timeout_s: float) -> Job:
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
+        job = Job(fn, time.monotonic() + timeout_s)
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise Busy(max(1, round(self.jobs.qsize() * self.typical_job_s))) from None
+        return job
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue
+            if self.closing:
+                job.future.set_exception(ShuttingDown("the server shut down before this request ran"))
+                continue
+            if job.expired():
+                job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
+                continue
+            try:
+                job.future.set_result(job.fn(job))
+            except BaseException as exc:  # noqa: BLE001 - handed to the request that submitted it
+                job.future.set_exception(exc)
+
+    def close(self, wait_s: float = 30.0) -> None:
+        """Finish the running job, refuse the waiting ones, stop the thread."""
+        self.closing = True
+        try:
+            self.jobs.put(None, timeout=wait_s)
+        except queue.Full:
+            pass
+        self.thread.join(timeout=wait_s)

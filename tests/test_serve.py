@@ -1,0 +1,349 @@
+"""`snapkv-sessions serve` (issue 16): a live server in a subprocess (uvicorn, SmolLM2 bundle, SQLite), driven by
+the official `openai` client, sync and async; plus the worker's queue and deadlines in process.
+
+Everything binds to and talks to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import bundle_available
+
+openai = pytest.importorskip("openai")
+
+from snapkv_sessions.serve.worker import Busy, DeadlineExceeded, Worker  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
+POLICY = {"compression": {"budget": 256, "window": 16}, "pins": {"roles": ["system"], "sink_tokens": 4},
+          "drift": {"embedder": "none"}}
+SYSTEM = {"role": "system", "content": "You are a terse assistant."}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.db = tmp / "serve.db"
+        policy = tmp / "policy.json"
+        policy.write_text(json.dumps(POLICY))
+        cmd = [sys.executable, "-m", "snapkv_sessions.cli", "serve", "--model", MODEL, "--db", str(self.db),
+               "--policy", str(policy), "--port", str(self.port), "--max-tokens", "12", *args]
+        self.log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {(tmp / 'serve.log').read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/models", headers=self.auth(KEY_A), timeout=2).status_code in (200, 401):
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("the server did not come up in 180 s")
+
+    @staticmethod
+    def auth(key: str | None) -> dict:
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def client(self, key: str = KEY_A) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+
+    def get(self, path: str, key: str | None = KEY_A) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", headers=self.auth(key), timeout=120)
+
+    def post(self, path: str, body: dict | None = None, key: str | None = KEY_A, headers: dict | None = None):
+        return httpx.post(f"{self.url}{path}", json=body, headers={**self.auth(key), **(headers or {})}, timeout=120)
+
+    def delete(self, path: str, key: str | None = KEY_A) -> httpx.Response:
+        return httpx.delete(f"{self.url}{path}", headers=self.auth(key), timeout=120)
+
+    def stop(self) -> int:
+        self.proc.terminate()  # uvicorn's graceful shutdown
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    srv = Server(tmp_path_factory.mktemp("serve"), "--api-key", KEY_A, "--api-key", KEY_B)
+    yield srv
+    assert srv.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down gracefully
+    assert "Traceback" not in (srv.db.parent / "serve.log").read_text()
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.bundle]
+
+
+def _turns(server: Server, session_id: str, key: str = KEY_A) -> list[dict]:
+    res = server.get(f"/sessions/{session_id}", key)
+    assert res.status_code == 200, res.text
+    return res.json()["turns"]
+
+
+def test_plain_and_streamed_completions_agree(server):
+    client = server.client()
+    msgs = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
+    text = plain.choices[0].message.content
+    assert plain.choices[0].finish_reason in ("stop", "length") and plain.object == "chat.completion"
+    assert plain.usage.completion_tokens == _turns(server, plain.session_id)[-1]["tokens_out"] > 0
+    assert plain.usage.total_tokens == plain.usage.prompt_tokens + plain.usage.completion_tokens
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == text  # greedy: the same reply, streamed (a new session: the list does not extend one)
+    assert finish == plain.choices[0].finish_reason
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
+        plain.usage.prompt_tokens, plain.usage.completion_tokens)
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_three_turns_prefill_only_the_new_messages(server, named):
+    """Each request sends the whole list; the second and third continue the first one's session (named by
+    X-Session-Id, or found by the content hash of the list's prefix) and prefill only their new messages."""
+    client = server.client()
+    msgs = [SYSTEM, {"role": "user", "content": f"Pick a fruit ({named})."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6)
+    sid = first.session_id
+    for question in ("Why that one?", "Say it again."):
+        msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": question}]
+        extra = {"extra_headers": {"X-Session-Id": sid}} if named else {}
+        first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, **extra)
+        assert first.session_id == sid
+    turns = _turns(server, sid)
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    # turns 2 and 3 prefill the pending reply token and their own message only, far fewer than the whole list
+    assert turns[1]["tokens_in"] < turns[0]["tokens_in"] and turns[2]["tokens_in"] < turns[0]["tokens_in"]
+    assert first.usage.prompt_tokens == turns[2]["tokens_in"]
+
+
+def test_a_named_session_must_continue(server):
+    client = server.client()
+    first = client.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "Hi."}])
+    other = [SYSTEM, {"role": "user", "content": "A different start."}, {"role": "assistant", "content": "Ok."},
+             {"role": "user", "content": "Go on."}]
+    res = server.post("/chat/completions", {"model": MODEL, "messages": other}, headers={"X-Session-Id": first.session_id})
+    assert res.status_code == 409 and res.json()["error"]["code"] == "history_mismatch"
+
+
+def test_fork_and_delete(server):
+    client = server.client()
+    msgs = [SYSTEM, {"role": "user", "content": "Count to three."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6)
+    res = server.post(f"/sessions/{first.session_id}/fork", {"turn": 1})
+    assert res.status_code == 200, res.text
+    fork = res.json()["id"]
+    assert fork != first.session_id and res.json()["messages"] == 3  # system, user, the reply
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Now backwards."}]
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
+                                           extra_headers={"X-Session-Id": fork})
+    assert again.session_id == fork and _turns(server, first.session_id)[-1]["turn"] == 1  # the original is unchanged
+    assert server.post(f"/sessions/{fork}/verify").json()["ok"] is True
+    assert server.delete(f"/sessions/{fork}").json()["deleted"] is True
+    assert server.get(f"/sessions/{fork}").status_code == 404
+    assert server.post(f"/sessions/{first.session_id}/fork", {"turn": 7}).status_code == 400
+
+
+def test_tool_definitions_and_a_tool_result_round_trip(server):
+    """The client's assistant tool call and the tool's result are stored as the model would have written them;
+    the session continues with them, and the next request (the reply appended) continues the same session."""
+    client = server.client()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}}}}}]
+    msgs = [SYSTEM, {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=8)
+    stored = server.get(f"/sessions/{first.session_id}").json()
+    assert stored["turns"][0]["turn"] == 1
+    reply = first.choices[0].message
+    msgs.append({"role": "assistant", "content": reply.content,
+                 **({"tool_calls": [c.model_dump() for c in reply.tool_calls]} if reply.tool_calls else {})})
+    msgs.append({"role": "user", "content": "Thanks."})
+    second = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=8)
+    assert second.session_id == first.session_id
+
+
+def test_keys_scope_sessions(server):
+    a, b = server.client(KEY_A), server.client(KEY_B)
+    first = a.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "Secret: 42."}])
+    sid = first.session_id
+    for res in (server.get(f"/sessions/{sid}", KEY_B), server.post(f"/sessions/{sid}/fork", {}, KEY_B),
+                server.post(f"/sessions/{sid}/verify", None, KEY_B), server.delete(f"/sessions/{sid}", KEY_B),
+                server.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                            KEY_B, headers={"X-Session-Id": sid})):
+        assert res.status_code == 404 and res.json()["error"]["code"] == "session_not_found", res.text
+    assert sid not in {s["id"] for s in server.get("/sessions", KEY_B).json()["data"]}
+    assert sid in {s["id"] for s in server.get("/sessions", KEY_A).json()["data"]}
+    # B sending A's exact conversation starts B's own session: the content lookup is scoped to the caller
+    msgs = [SYSTEM, {"role": "user", "content": "Secret: 42."},
+            {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Again?"}]
+    assert b.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4).session_id != sid
+    for key in (None, "wrong-key-" + "x" * 20):
+        res = server.get("/models", key)
+        assert res.status_code == 401 and res.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type"),
+    ({"model": "gpt-4o"}, "model"),
+    ({"temperature": 5}, "temperature"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+])
+def test_bad_requests_name_the_field(server, body, param):
+    full = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body}
+    res = server.post("/chat/completions", full)
+    assert res.status_code == 400, res.text
+    err = res.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and len(err["message"]) < 1200
+
+
+def test_async_client_streams(server):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=server.url, api_key=KEY_A, max_retries=0, timeout=120)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[SYSTEM, {"role": "user", "content": "Say yes."}], max_tokens=5, stream=True)
+        return [c async for c in stream]
+
+    chunks = asyncio.run(go())
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_client_leaving_mid_stream_abandons_the_turn(server):
+    client = server.client()
+    first = client.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "Hello."}],
+                                           max_tokens=4)
+    sid = first.session_id
+    msgs = [SYSTEM, {"role": "user", "content": "Hello."},
+            {"role": "assistant", "content": first.choices[0].message.content},
+            {"role": "user", "content": "Write a long story about a lighthouse."}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=body, timeout=120,
+                      headers={**server.auth(KEY_A), "X-Session-Id": sid}) as res:
+        assert res.status_code == 200
+        for line in res.iter_lines():
+            if line.startswith("data:") and '"content"' in line and '""' not in line:
+                break  # one piece of the reply arrived: leave
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        statuses = [t["status"] for t in _turns(server, sid)]
+        if statuses[-1] != "pending":
+            break
+        time.sleep(0.5)
+    assert statuses == ["done", "abandoned"]
+    assert server.post(f"/sessions/{sid}/verify").json()["ok"] is True
+    # the session goes on from its last done turn
+    again = client.chat.completions.create(model=MODEL, messages=msgs[:3] + [{"role": "user", "content": "Bye."}],
+                                           max_tokens=4, extra_headers={"X-Session-Id": sid})
+    assert again.session_id == sid and [t["status"] for t in _turns(server, sid)][-1] == "done"
+
+
+def test_backpressure_and_graceful_shutdown(tmp_path):
+    """A queue of one: while a turn streams and another waits, a third request is refused at once with 429 and
+    Retry-After. SIGTERM mid-stream: the server finishes what it holds, and no turn is left pending."""
+    from snapkv_sessions.store import SessionStore
+
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    srv = Server(tmp_path, "--api-key", KEY_A, "--max-queue", "1")
+    streaming, results = threading.Event(), {}
+
+    def stream():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 120,
+                "stream": True}
+        with httpx.stream("POST", f"{srv.url}/chat/completions", json=body, headers=srv.auth(KEY_A), timeout=120) as r:
+            try:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        streaming.set()
+                results["stream"] = "complete"
+            except httpx.RemoteProtocolError:  # the server closed the stream on shutdown: its turn is abandoned
+                results["stream"] = "closed by the server"
+
+    def queued():
+        results["queued"] = srv.post("/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": "Hi."}]}).status_code
+
+    threads = [threading.Thread(target=stream)]
+    threads[0].start()
+    try:
+        assert streaming.wait(60)
+        threads.append(threading.Thread(target=queued))
+        threads[1].start()
+        time.sleep(0.5)  # the second request now waits in the queue
+        busy = srv.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hey."}]})
+        assert busy.status_code == 429 and busy.json()["error"]["type"] == "rate_limit_error"
+        assert int(busy.headers["Retry-After"]) >= 1
+        code = srv.stop()  # SIGTERM while the stream runs
+    finally:
+        for t in threads:
+            t.join(120)
+    assert code in (0, -signal.SIGTERM) and results["queued"] == 200
+    store = SessionStore(f"sqlite:///{srv.db}")
+    statuses = {}
+    for row in store.list_sessions():
+        assert store.pending_turn(row["id"]) is None and store.verify(row["id"]) == []
+        statuses[store.messages(row["id"])[0]["content"]] = [t["status"] for t in store.turns(row["id"])]
+    # the streamed turn finished, or was abandoned cleanly when its stream was closed; the queued one ran
+    expected = ["done"] if results["stream"] == "complete" else ["abandoned"]
+    assert statuses == {"Tell a long story.": expected, "Hi.": ["done"]}
+
+
+# ---------------------------------------------------------------------- the worker, in process
+
+
+def test_a_full_queue_refuses_at_once_and_a_late_job_never_starts():
+    worker = Worker(max_queue=1, typical_job_s=2.0)
+    gate = threading.Event()
+    try:
+        running = worker.submit(lambda job: gate.wait(10), timeout_s=30)
+        time.sleep(0.2)  # the first job is running; the queue is empty again
+        late = worker.submit(lambda job: "ran", timeout_s=0.1)  # waits behind it past its deadline
+        with pytest.raises(Busy) as busy:
+            worker.submit(lambda job: "ran", timeout_s=30)
+        assert busy.value.retry_after == 2
+        time.sleep(0.3)
+        gate.set()
+        assert running.future.result(5) is True
+        with pytest.raises(DeadlineExceeded):
+            late.future.result(5)
+    finally:
+        gate.set()
+        worker.close()
