@@ -156,19 +156,37 @@ class ChatFormatter:
 
     def render(self, msgs: list[Message], generation_prompt: bool = True) -> tuple[str, list[tuple[int | None, int, int]]]:
         """The conversation text and ``(seq, start, end)`` character spans; the generation prompt's span has
-        seq None."""
+        seq None.
+
+        The cache holds a conversation's rendering, so it must only ever grow at its end. Some templates render
+        a message differently once another follows it (Qwen's groups consecutive tool results in one user block
+        and closes it after the last). From the first message where the template's rendering would rewrite what
+        came before, each message is rendered on its own (:meth:`_alone`) and appended: the same blocks, one per
+        message, and a rendering that never changes behind the cache. Deterministic, so replays render the same.
+        """
         spans: list[tuple[int | None, int, int]] = []
-        prev = ""
+        prev, alone = "", False
         for i, msg in enumerate(msgs):
-            text = self._render(msgs[: i + 1], False)
-            if not text.startswith(prev):
-                raise TemplateError("tokenizer.chat_template", msg.role, "rendering is not prefix-stable")
+            text = None if alone else self._render(msgs[: i + 1], False)
+            if text is None or not text.startswith(prev):
+                alone = True
+                text = prev + self._alone(msg)
             spans.append((msg.seq, len(prev), len(text)))
             prev = text
         if generation_prompt:
-            text = self._render(msgs, True)
+            text = prev + self._alone(None) if alone else self._render(msgs, True)
             if not text.startswith(prev):
                 raise TemplateError("tokenizer.chat_template", "generation prompt", "rendering is not prefix-stable")
             spans.append((None, len(prev), len(text)))
             prev = text
         return prev, spans
+
+    def _alone(self, msg: Message | None) -> str:
+        """One message's block as the template writes it after a system message (None: the generation prompt)."""
+        anchor = [Message(role="system", content="")]
+        before = self._render(anchor, False)
+        after = self._render(anchor + [msg], False) if msg is not None else self._render(anchor, True)
+        if not after.startswith(before):
+            raise TemplateError("tokenizer.chat_template", msg.role if msg else "generation prompt",
+                                "rendering is not prefix-stable")
+        return after[len(before):]

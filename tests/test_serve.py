@@ -326,6 +326,25 @@ def test_backpressure_and_graceful_shutdown(tmp_path):
     assert statuses == {"Tell a long story.": expected, "Hi.": ["done"]}
 
 
+def test_a_request_past_its_deadline_gets_504_and_abandons_its_turn(tmp_path):
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    srv = Server(tmp_path, "--request-timeout", "2")
+    try:
+        msgs = [{"role": "user", "content": "Write a very long essay about rivers."}]
+        res = srv.post("/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2000}, key=None)
+        assert res.status_code == 504 and res.json()["error"]["code"] == "deadline_exceeded"
+        ok = srv.post("/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 3}, key=None)
+        assert ok.status_code == 200, ok.text  # without keys: local use
+    finally:
+        srv.stop()
+    from snapkv_sessions.store import SessionStore
+
+    store = SessionStore(f"sqlite:///{srv.db}")
+    turns = sorted(([t["status"] for t in store.turns(r["id"])] for r in store.list_sessions()), key=len)
+    assert sorted(turns) == [["abandoned"], ["done"]]  # a session of abandoned turns alone continues nothing
+
+
 # ---------------------------------------------------------------------- the worker, in process
 
 

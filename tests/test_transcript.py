@@ -99,3 +99,45 @@ def test_live_and_replay_share_run(smollm2, monkeypatch):
     assert session.state.token_ids == again.state.token_ids and session.cache_text == again.cache_text
     for a, b in zip(session.state.positions, again.state.positions, strict=True):
         assert torch.equal(a, b)
+
+
+class GroupingTokenizer:
+    """A template that, like Qwen2.5's, writes consecutive tool results in one user block, closed after the last:
+    its rendering of a tool result changes once another follows it."""
+
+    chat_template = "grouping"
+
+    def apply_chat_template(self, msgs, add_generation_prompt=False, tokenize=False):
+        out = []
+        for i, m in enumerate(msgs):
+            if m["role"] != "tool":
+                out.append(f"<{m['role']}>{m['content']}</end>\n")
+                continue
+            if i == 0 or msgs[i - 1]["role"] != "tool":
+                out.append("<user>")
+            out.append(f"[result {m['content']}]")
+            if i == len(msgs) - 1 or msgs[i + 1]["role"] != "tool":
+                out.append("</end>\n")
+        return "".join(out) + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_a_template_that_rewrites_earlier_messages_renders_them_one_by_one():
+    """Two tool results in a row: from the second on, each message is its own block, so every rendering of a
+    longer conversation extends the shorter one's (the cache is never rewritten behind its end)."""
+    from snapkv_sessions.chat import ChatFormatter, Message
+
+    fmt = ChatFormatter(GroupingTokenizer())
+    msgs = [Message("system", "S", seq=1), Message("user", "Q", seq=2), Message("assistant", "call a, b", seq=3),
+            Message("tool", "A", name="a", seq=4), Message("tool", "B", name="b", seq=5),
+            Message("assistant", "done", seq=6), Message("user", "thanks", seq=7)]
+    text, spans = fmt.render(msgs)
+    assert text == ("<system>S</end>\n<user>Q</end>\n<assistant>call a, b</end>\n<user>[result A]</end>\n"
+                    "<user>[result B]</end>\n<assistant>done</end>\n<user>thanks</end>\n<assistant>")
+    assert [text[a:b] for _, a, b in spans][3:5] == ["<user>[result A]</end>\n", "<user>[result B]</end>\n"]
+    for k in range(1, len(msgs)):  # every shorter conversation's rendering (without the prompt) is a prefix
+        shorter, _ = fmt.render(msgs[:k], generation_prompt=False)
+        assert text.startswith(shorter)
+    # a conversation the template renders stably is rendered exactly as the template does
+    stable = msgs[:4]
+    assert fmt.render(stable)[0] == GroupingTokenizer().apply_chat_template(
+        [m.for_template() for m in stable], add_generation_prompt=True)

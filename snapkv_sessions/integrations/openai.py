@@ -93,6 +93,22 @@ def _loads_whole(text: str) -> object:
     return value if not text[end:].strip() else None
 
 
+def _loads_sequence(text: str) -> list | None:
+    """The JSON values that are all of ``text``, written one after another and separated by whitespace or commas
+    (``{...}, {...}``, as small models list several calls), or None."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or (values and text[at] == ",")):
+            at += 1
+        if at == len(text):
+            return values or None
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+
+
 def parse_tool_calls(text: str, names: Iterable[str] | None = None) -> tuple[str, list[dict]]:
     """Split a reply into its text and its tool calls.
 
@@ -105,7 +121,9 @@ def parse_tool_calls(text: str, names: Iterable[str] | None = None) -> tuple[str
     -------
     (content, calls) : ``content`` is ``text`` without the recognised ``<tool_call>`` blocks (empty when only
         whitespace is left, or when the whole reply was one bare JSON call); ``calls`` are
-        ``{"name", "arguments"}`` dicts in the order written. Unparsable blocks stay in ``content``.
+        ``{"name", "arguments"}`` dicts in the order written. Unparsable blocks stay in ``content``. Without
+        blocks, a reply that is only calls (one JSON object, a list of them, or several written one after another)
+        is read as those calls.
     """
     allowed = set(names) if names is not None else None
     if TOOL_CALL_OPEN in text:
@@ -122,10 +140,12 @@ def parse_tool_calls(text: str, names: Iterable[str] | None = None) -> tuple[str
         return ("" if not content.strip() else content), calls
     body = text.strip()
     fenced = _FENCE.match(body)
-    value = _loads_whole(fenced.group(1) if fenced else body)
-    items = value if isinstance(value, list) and value else [value]
+    values = _loads_sequence(fenced.group(1) if fenced else body)
+    if values is None:
+        return text, []
+    items = values[0] if len(values) == 1 and isinstance(values[0], list) and values[0] else values
     calls = [_as_call(item, allowed) for item in items]
-    if value is not None and all(c is not None for c in calls):
+    if all(c is not None for c in calls):
         return "", calls
     return text, []
 

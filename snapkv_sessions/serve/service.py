@@ -32,7 +32,7 @@ from ..session import Reply, Session
 from ..store import SessionStore, StoreError
 from ..store.hashing import GENESIS, message_hash
 from . import protocol
-from .worker import Job
+from .worker import DeadlineExceeded, Job
 
 SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
 
@@ -110,11 +110,11 @@ class Service:
         return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
 
     def chat(self, turn: TurnRequest, job: Job) -> TurnOutput:
-        session, new, fresh = self._session_for(turn)
-        for message in new[:-1]:
-            commit(session, message)
-        reply = session.chat(new[-1], **turn.generation)
-        return self._output(turn, session, reply, fresh)
+        """A whole turn; past the job's deadline it stops between tokens, abandons the turn and raises."""
+        out = self.stream(turn, job, lambda _text: None)
+        if out is None:
+            raise DeadlineExceeded("the request ran past its deadline; its turn was abandoned")
+        return out
 
     def stream(self, turn: TurnRequest, job: Job, emit) -> TurnOutput | None:
         """Stream a turn: ``emit(text)`` for each piece that may be shown. Stops, abandoning the turn cleanly, when
