@@ -273,6 +273,28 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
     _emit(result, out, as_json, shift.table, bulky="turns")
 
 
+@bench.command("serve")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--clients", default="1,2,4,8", show_default=True, help="Concurrent clients, one level per value.")
+@click.option("--turns", default=3, show_default=True, help="Turns per client (each a streamed request).")
+@click.option("--max-tokens", default=32, show_default=True, help="Reply cap per turn.")
+@click.option("--max-queue", default=16, show_default=True, help="The server's queue length.")
+@click.option("--policy", default=None, help="Policy for the server's sessions (name or YAML path).")
+@click.option("--base-url", default=None, help="A running server (default: start one on a free loopback port).")
+@click.option("--api-key", default=None, help="Bearer key for a running server.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_serve(model, clients, turns, max_tokens, max_queue, policy, base_url, api_key, out, as_json) -> None:
+    """N concurrent multi-turn clients against the server: tokens/s, TTFT and TPOT p50/p95, 429s, errors."""
+    from .bench import serve as serve_bench
+
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    levels = [int(x) for x in clients.split(",") if x.strip()]
+    result = serve_bench.run(model, levels, turns, max_tokens, base_url, api_key, max_queue, policy, log=log)
+    _emit(result, out, as_json, serve_bench.table, bulky="turns")
+
+
 @main.group()
 def sessions() -> None:
     """Inspect stored sessions (no model, no torch)."""

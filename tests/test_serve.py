@@ -345,6 +345,28 @@ def test_a_request_past_its_deadline_gets_504_and_abandons_its_turn(tmp_path):
     assert sorted(turns) == [["abandoned"], ["done"]]  # a session of abandoned turns alone continues nothing
 
 
+def test_bench_serve_small_run():
+    from click.testing import CliRunner
+
+    from snapkv_sessions.cli import main
+
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    res = CliRunner().invoke(main, ["bench", "serve", "--model", MODEL, "--clients", "1,2", "--turns", "2",
+                                    "--max-tokens", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert [r["clients"] for r in out["levels"]] == [1, 2] and [r["turns"] for r in out["levels"]] == [2, 4]
+    assert all(r["errors"] == 0 and r["status_429"] == 0 and r["completion_tokens"] > 0 for r in out["levels"])
+    assert all(r["ttft_ms_p50"] > 0 and r["tokens_per_s"] > 0 for r in out["levels"])
+    # every client's second turn continued its session: it prefilled fewer tokens than its first
+    for turns in out["turns"].values():
+        by_client = {}
+        for t in turns:
+            by_client.setdefault(t["client"], {})[t["turn"]] = t["prompt_tokens"]
+        assert all(c[2] < c[1] for c in by_client.values())
+
+
 # ---------------------------------------------------------------------- the worker, in process
 
 

@@ -1,0 +1,173 @@
+"""``bench serve``: N concurrent clients against ``snapkv-sessions serve``, each a multi-turn session.
+
+Every client streams its turns through the OpenAI wire format (SSE, ``stream_options.include_usage``) and sends
+the whole conversation each time, as agent frameworks do. Per turn: time to the first content token (TTFT), time
+per output token after it (TPOT), completion tokens; per level of concurrency: aggregate completion tokens per
+second over the wall time, p50/p95 of TTFT and TPOT, 429s and other errors. The server runs in a subprocess on a
+free loopback port with a private SQLite store, unless ``base_url`` names a running one.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+QUESTIONS = ["Name three rivers in Europe.", "Which of them is the longest?", "Write one sentence about it.",
+             "Now name a river in Asia.", "Compare the two in one sentence."]
+
+
+@dataclass
+class TurnTiming:
+    client: int
+    turn: int
+    status: int
+    ttft_ms: float | None
+    tpot_ms: float | None
+    completion_tokens: int
+    prompt_tokens: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, folder: Path, max_queue: int, policy: str | None = None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "snapkv_sessions.cli", "serve", "--model", model, "--db", str(folder / "bench.db"),
+           "--port", str(port), "--max-queue", str(max_queue), *(["--policy", policy] if policy else [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "serve.log", "w"))  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {(folder / 'serve.log').read_text()[-2000:]}")
+        try:
+            httpx.get(f"{url}/models", timeout=2)
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the server did not answer within 300 s")
+
+
+def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, client: int, turn: int,
+                key: str | None) -> tuple[TurnTiming, str]:
+    """One streamed request; its timing and the reply text."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    t0, first, last, text, usage = time.perf_counter(), None, None, [], {}
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, headers=headers, timeout=600) as res:
+        if res.status_code != 200:
+            res.read()
+            return TurnTiming(client, turn, res.status_code, None, None, 0, 0), ""
+        for line in res.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            usage = chunk.get("usage") or usage
+            piece = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if piece:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                text.append(piece)
+    n = usage.get("completion_tokens", 0)
+    ttft = None if first is None else (first - t0) * 1e3
+    tpot = None if first is None or n < 2 else (last - first) * 1e3 / (n - 1)
+    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0)), "".join(text)
+
+
+def run_clients(url: str, model: str, clients: int, turns: int, max_tokens: int, key: str | None) -> dict:
+    timings: list[TurnTiming] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        messages = [{"role": "system", "content": f"You are assistant number {i}. Be brief."}]
+        for t in range(turns):
+            messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            try:
+                timing, reply = stream_turn(url, model, messages, max_tokens, i, t + 1, key)
+            except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                return
+            with lock:
+                timings.append(timing)
+            if timing.status != 200:
+                return
+            messages.append({"role": "assistant", "content": reply})
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    ok = [t for t in timings if t.status == 200]
+    ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
+    tpot = [t.tpot_ms for t in ok if t.tpot_ms is not None]
+    tokens = sum(t.completion_tokens for t in ok)
+    return {"clients": clients, "turns": len(ok), "wall_s": round(wall, 2), "completion_tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2) if wall else None,
+            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p95": _pct(ttft, 95),
+            "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p95": _pct(tpot, 95),
+            "status_429": sum(t.status == 429 for t in timings),
+            "errors": len(errors) + sum(t.status not in (200, 429) for t in timings), "error_samples": errors[:3],
+            "per_turn": [asdict(t) for t in timings]}
+
+
+def _pct(values: list[float], q: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return round(values[0], 1)
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 1)
+
+
+def run(model: str, levels: list[int], turns: int, max_tokens: int, base_url: str | None = None,
+        key: str | None = None, max_queue: int = 16, policy: str | None = None, log=print) -> dict:
+    proc, folder = None, Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
+    url = base_url
+    if url is None:
+        proc, url = start_server(model, folder, max_queue, policy)
+    try:
+        stream_turn(url, model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
+        rows, per_turn = [], {}
+        for n in levels:
+            row = run_clients(url, model, n, turns, max_tokens, key)
+            per_turn[str(n)] = row.pop("per_turn")
+            log(f"N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
+                f"TPOT p50 {row['tpot_ms_p50']} ms, 429s {row['status_429']}, errors {row['errors']}")
+            rows.append(row)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    return {"benchmark": "serve", "model": model, "turns_per_client": turns, "max_tokens": max_tokens,
+            "max_queue": max_queue, "levels": rows, "turns": per_turn}
+
+
+def table(result: dict) -> str:
+    head = (f"{'N':>3} {'turns':>5} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} "
+            f"{'429':>4} {'errors':>6}")
+    lines = [head, "-" * len(head)]
+    for r in result["levels"]:
+        lines.append(f"{r['clients']:>3} {r['turns']:>5} {r['tokens_per_s']!s:>7} {r['ttft_ms_p50']!s:>9} "
+                     f"{r['ttft_ms_p95']!s:>9} {r['tpot_ms_p50']!s:>9} {r['tpot_ms_p95']!s:>9} "
+                     f"{r['status_429']:>4} {r['errors']:>6}")
+    return "\n".join(lines)
