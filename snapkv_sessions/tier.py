@@ -41,15 +41,18 @@ class TierStats:
     streamed_bytes: cold key+value bytes read into a transient union buffer (prefill and compression)
     peak_transient_bytes: the largest union buffer held at once (one layer: its history plus the new tokens)
     recalled: slots that came back from cold to hot in this turn's compression, all layers and heads
+    peak_cold_layers: the most layers' cold parts brought to the compute device at once (the layer in use and
+        the next one, prefetched; :class:`ColdStream`)
     """
 
     streamed_bytes: int = 0
     peak_transient_bytes: int = 0
     recalled: int = 0
+    peak_cold_layers: int = 0
 
     def to_dict(self) -> dict:
         return {"streamed_bytes": self.streamed_bytes, "peak_transient_bytes": self.peak_transient_bytes,
-                "recalled": self.recalled}
+                "recalled": self.recalled, "peak_cold_layers": self.peak_cold_layers}
 
 
 @dataclass
@@ -196,6 +199,50 @@ def union(hot_keys: torch.Tensor, hot_values: torch.Tensor, hot_positions: torch
     return out_k, out_v
 
 
+class ColdStream:
+    """Brings each layer's cold slots to the compute device just ahead of their use.
+
+    When layer ``l`` takes its cold part, the copy of the next layer's is issued (on CUDA: on a side stream, from
+    page-locked memory, so it overlaps layer ``l``'s attention and MLP; the layer that uses it waits on its event).
+    At most two layers' cold parts are on the device at once: the one in use and the next. On the host there is
+    nothing to copy and the parts are the host tensors themselves; the same order and bound hold.
+    """
+
+    def __init__(self, cold: ColdKV, device: torch.device) -> None:
+        self.cold, self.device = cold, device
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ready: dict[int, tuple[ColdLayer, object]] = {}  # layer -> (its cold part on the device, copy event)
+
+    def take(self, layer: int) -> ColdLayer | None:
+        """The layer's cold part on the device (None: nothing of it is cold); issues the next layer's copy."""
+        self._issue(layer)
+        nxt = next((i for i in range(layer + 1, len(self.cold.layers)) if self.cold.layers[i] is not None), None)
+        if nxt is not None:
+            self._issue(nxt)
+        part, event = self.ready.pop(layer, (None, None))
+        if event is not None:  # the compute stream waits for the copy; the tensors stay alive for it
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in (part.keys, part.values, part.positions):
+                t.record_stream(current)
+        return part
+
+    def _issue(self, layer: int) -> None:
+        part = self.cold.layers[layer]
+        if part is None or layer in self.ready:
+            return
+        if self.side is None:
+            self.ready[layer] = (part, None)
+        else:
+            with torch.cuda.stream(self.side):
+                moved = ColdLayer(*(t.to(self.device, non_blocking=True) for t in (part.keys, part.values,
+                                                                                 part.positions)))
+                event = torch.cuda.Event()
+                event.record(self.side)
+            self.ready[layer] = (moved, event)
+        self.cold.stats.peak_cold_layers = max(self.cold.stats.peak_cold_layers, len(self.ready))
+
+
 class _UnionLayer:
     """A layer of :class:`UnionView`: its keys/values are the whole history, built on first access."""
 
@@ -227,6 +274,7 @@ class UnionView:
         self.cache = self  # scorers read view.cache.layers[l].keys
         self.layers = [_UnionLayer(self, layer) for layer in range(len(state.positions))]
         self._memo: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._stream = ColdStream(cold, first.device)
 
     @property
     def next_position(self) -> int:
@@ -243,7 +291,7 @@ class UnionView:
         if self._memo is None or self._memo[0] != layer:
             self._memo = None  # release the previous layer's buffer before building this one
             lay = self.state.cache.layers[layer]
-            self._memo = (layer, union(lay.keys, lay.values, self.state.positions[layer], self.cold.layers[layer],
+            self._memo = (layer, union(lay.keys, lay.values, self.state.positions[layer], self._stream.take(layer),
                                        self.cold.stats))
         return self._memo[1]
 
@@ -311,9 +359,10 @@ def whole_history(state) -> Iterator[None]:
         yield
         return
     layers = state.cache.layers
+    stream = ColdStream(cold, state.positions[0].device)
     for layer, lay in enumerate(layers):
         if cold.layers[layer] is not None:
-            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], cold=cold, layer=layer,
+            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], stream=stream, layer=layer,
                                               history=state.next_position)
     try:
         yield
@@ -322,9 +371,10 @@ def whole_history(state) -> Iterator[None]:
             lay.attend_to = None
 
 
-def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, cold: ColdKV, layer: int,
+def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, stream: ColdStream, layer: int,
             history: int) -> tuple[torch.Tensor, torch.Tensor]:
-    part = cold.layers[layer]
+    cold = stream.cold
+    part = stream.take(layer)
     held = positions.shape[-1] + (0 if part is None else part.positions.shape[-1])
     if held != history:  # hot and cold must hold every position once: never attend to an unfilled buffer
         raise RuntimeError(f"layer {layer}: hot and cold hold {held} slots of a {history}-token history "

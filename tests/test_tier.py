@@ -77,6 +77,8 @@ def test_tiered_turns_equal_reprefill_every_turn(kind, reply):
             assert torch.equal(both.sort(-1).values, torch.arange(tiered.next_position).expand(heads, -1))
         one_layer = 2 * heads * got.prefill_end * dim * 4  # keys and values, fp32
         assert 0 < got.report.tier["peak_transient_bytes"] <= one_layer
+        # cold parts come to the compute device one layer ahead: the one in use and the next, never more
+        assert got.report.tier["peak_cold_layers"] == (0 if i == 0 else 2)
         per_slot = 3 * 2 * heads * dim * 4  # all layers, keys and values, fp32
         assert got.report.tier["hot_bytes"] == budget * per_slot  # what decode reads: the budget
         assert got.report.tier["cold_bytes"] == (got.prefill_end - budget) * per_slot  # the rest of the history
