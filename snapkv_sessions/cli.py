@@ -567,9 +567,10 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds a request may wait and run.")
 @click.option("--max-tokens", default=256, show_default=True, help="Reply cap when a request gives none.")
 @click.option("--max-live", default=16, show_default=True, help="Sessions kept in memory (others rebuilt from the store).")
+@click.option("--max-body-mb", default=8.0, show_default=True, help="Largest request body accepted (413 past it).")
 @clean_errors
 def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
-          max_live) -> None:
+          max_live, max_body_mb) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     keys = _api_keys(api_keys, api_key_file)
     if not keys and host not in LOOPBACK:
@@ -585,7 +586,8 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
 
     quiet_loaders()
     service = Service(model, policy, SessionStore(db, redis_url=redis_url), max_live=max_live, max_tokens=max_tokens)
-    app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout))
+    app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
+                                           max_body_bytes=int(max_body_mb * (1 << 20))))
     click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
 

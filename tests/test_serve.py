@@ -234,6 +234,17 @@ def test_bad_requests_name_the_field(server, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and len(err["message"]) < 1200
 
 
+def test_bodies_that_are_not_json_or_too_large_are_refused(server):
+    res = httpx.post(f"{server.url}/chat/completions", content=b"{not json", timeout=60,
+                     headers={**server.auth(KEY_A), "Content-Type": "application/json"})
+    assert res.status_code == 400 and res.json()["error"]["code"] == "invalid_json"
+    huge = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 << 20)}]}
+    res = server.post("/chat/completions", huge)
+    assert res.status_code == 413 and res.json()["error"]["code"] == "body_too_large"
+    res = httpx.post(f"{server.url}/sessions/whatever/fork", content=b"[1, 2]", headers=server.auth(KEY_A), timeout=60)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "body"
+
+
 def test_async_client_streams(server):
     async def go():
         client = openai.AsyncOpenAI(base_url=server.url, api_key=KEY_A, max_retries=0, timeout=120)

@@ -4,8 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, and the session endpo
 ``GET /v1/sessions/{id}``, ``POST /v1/sessions/{id}/verify``, ``POST /v1/sessions/{id}/fork``,
 ``DELETE /v1/sessions/{id}``. Every error is OpenAI's error body with the right status: 400 for a bad field
 (named in ``param``), 401 without a valid key, 404 for a session the caller does not own, 409 when a named session
-does not continue, 429 when the queue is full (with ``Retry-After``), 503 while shutting down, 504 past the
-deadline.
+does not continue, 413 for a body past ``max_body_bytes``, 429 when the queue is full (with ``Retry-After``), 503
+while shutting down, 504 past the deadline.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class ServeOptions:
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no keys (local use)
     max_queue: int = 16
     request_timeout_s: float = 600.0
+    max_body_bytes: int = 8 << 20  # a request body past this is refused (413) before it is parsed
 
 
 class ApiError(Exception):
@@ -85,13 +86,16 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     app = FastAPI(title="snapkv-sessions", lifespan=lifespan)
     app.state.service = service
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _known(_request: Request, exc: Exception) -> JSONResponse:
+        return as_api_error(exc).response()
+
+    # the errors a client causes or is told about: answered, not logged as server faults
+    for kind in (ApiError, ConfigError, NotFound, Conflict, Busy, ShuttingDown, DeadlineExceeded):
+        app.add_exception_handler(kind, _known)
 
     @app.exception_handler(Exception)
     async def _any_error(_request: Request, exc: Exception) -> JSONResponse:
-        return as_api_error(exc).response()
+        return as_api_error(exc).response()  # a fault of the server: the client gets a bounded message
 
     def owner(request: Request) -> str | None:
         if not options.api_keys:
@@ -102,6 +106,25 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
             raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
                            "invalid_request_error", None, "invalid_api_key")
         return owner_of(key)
+
+    async def read_json(request: Request, required: bool = True) -> object:
+        """The request's JSON body, read up to ``max_body_bytes`` (413 past it, 400 when it is not JSON)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > options.max_body_bytes:
+            raise ApiError(413, f"the body is larger than {options.max_body_bytes} bytes", "invalid_request_error",
+                           "body", "body_too_large")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > options.max_body_bytes:
+                raise ApiError(413, f"the body is larger than {options.max_body_bytes} bytes",
+                               "invalid_request_error", "body", "body_too_large")
+        if not raw.strip() and not required:
+            return {}
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the body must be JSON", "invalid_request_error", "body", "invalid_json") from None
 
     async def run(fn, job_timeout: float | None = None):
         """Run ``fn(job)`` on the worker and wait for it; errors come back as API errors."""
@@ -122,11 +145,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         who = owner(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the body must be JSON", "invalid_request_error", "body", "invalid_json") from None
-        req = protocol.parse(body)
+        req = protocol.parse(await read_json(request))
         turn = service.prepare(req, who, request.headers.get(SESSION_HEADER))
         if req.stream:
             return await _stream(request, req, turn)
@@ -205,9 +224,11 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     @app.post("/v1/sessions/{session_id}/fork")
     async def fork_session(session_id: str, request: Request) -> dict:
         who = owner(request)
-        raw = await request.body()
-        body = json.loads(raw) if raw.strip() else {}
-        turn = body.get("turn") if isinstance(body, dict) else None
+        body = await read_json(request, required=False)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object such as {\"turn\": 2}", "invalid_request_error",
+                           "body", "invalid_value")
+        turn = body.get("turn")
         return await run(lambda job: service.fork(session_id, who, turn))
 
     @app.delete("/v1/sessions/{session_id}")
