@@ -255,10 +255,31 @@ def evidence_missing(terms: list[str], context: str, char_positions: np.ndarray,
     return missing
 
 
-def shift_score(embedding_drift: float | None, new_subject: bool, evidence_missing: bool) -> float:
+# Words by which a question points back at what the conversation was about (English).
+REFERS_BACK = re.compile(r"(?i)(?<![\w-])(it|its|they|them|their|theirs|those|these|he|she|him|her|his|hers|"
+                         r"that one|this one|the same|that|this)(?![\w-])(?!\s+(?:is|was)\s+(?:a|an|the)\b)")
+
+
+ELLIPSIS_WORDS = 4  # a question this short ("By how much?", "Why?", "Which one?") leans on what came before
+
+
+def refers_back(question: str) -> bool:
+    """Whether ``question`` leans on the conversation's subject: it points back with a pronoun or a demonstrative
+    ("How many of them are in stock?", "Which bin is that one kept in?"), or it is an elliptical question of a few
+    words ("By how much?")."""
+    text = question.strip()
+    elliptical = text.endswith("?") and len(text.split()) <= ELLIPSIS_WORDS
+    return elliptical or REFERS_BACK.search(text) is not None
+
+
+def shift_score(embedding_drift: float | None, new_subject: bool, evidence_missing: bool,
+                follow_up: bool = False) -> float:
     """The drift score a threshold is applied to: the embedding drift, or 1.0 when the query names a new subject
-    or its key terms were evicted. The session and ``bench shift`` both score with this one rule."""
-    return max(embedding_drift or 0.0, 1.0 if new_subject or evidence_missing else 0.0)
+    or its key terms were evicted. A ``follow_up`` (a question that refers back, :func:`refers_back`) is not
+    scored by its embedding drift: its wording drifts from the question it follows while its subject does not;
+    a new subject or missing evidence still count. The session and the benchmarks score with this one rule."""
+    wording = 0.0 if follow_up else (embedding_drift or 0.0)
+    return max(wording, 1.0 if new_subject or evidence_missing else 0.0)
 
 
 @dataclass
@@ -278,9 +299,10 @@ class Assessment:
 class DriftMonitor:
     """The per-session working set and both signals. The embedder loads on first use."""
 
-    def __init__(self, kind: str, model=None, tokenizer=None, subjects: bool = True) -> None:
+    def __init__(self, kind: str, model=None, tokenizer=None, subjects: bool = True, follow_ups: bool = False) -> None:
         self.kind = kind
         self.subjects = subjects  # the new-subject signal (policy drift.new_subject)
+        self.follow_ups = follow_ups  # a question that refers back is not scored by its wording (drift.follow_ups)
         self._model, self._tokenizer = model, tokenizer
         self._embedder: Embedder | None = None
         self._working: WorkingSet | None = None
@@ -327,7 +349,7 @@ class DriftMonitor:
         if emb is None and not missing:
             return Assessment(None, None, [])
         fresh = terms if self.subjects and emb is not None and new_subject(terms, self._working.terms) else []
-        score = shift_score(emb, bool(fresh), bool(missing))
+        score = shift_score(emb, bool(fresh), bool(missing), follow_up=self.follow_ups and refers_back(question))
         return Assessment(round(score, 4), None if emb is None else round(emb, 4), missing, fresh)
 
 

@@ -98,6 +98,9 @@ class DriftPolicy(_Strict):
     embedder: Literal["minilm", "model", "none"] = "minilm"
     threshold: float = Field(default=0.75, ge=0.0, le=2.0)
     new_subject: bool = True  # a query naming only things the working set never named counts as a shift
+    # a question that refers back ("How many of them...?") is a follow-up whatever its wording's embedding drift;
+    # None (unstated: policies stored before it existed) is off, and new sessions state it on (Policy.stated)
+    follow_ups: bool | None = None
     action: Literal["reprefill", "warn", "never"] = "reprefill"
 
 
@@ -152,8 +155,23 @@ class Policy(_Strict):
     memory: MemoryPolicy | None = None
 
     def stated(self) -> Policy:
-        """This policy with every section stated, as a new session stores it (the tier on unless it says off)."""
-        return self if self.memory is not None else self.model_copy(update={"memory": MemoryPolicy()})
+        """This policy with every later setting stated, as a new session stores it: the tier on unless it says
+        off, follow-up questions recognised unless it says not."""
+        update: dict = {}
+        if self.memory is None:
+            update["memory"] = MemoryPolicy()
+        if self.drift.follow_ups is None:
+            update["drift"] = self.drift.model_copy(update={"follow_ups": True})
+        return self.model_copy(update=update) if update else self
+
+    def earlier_hashes(self) -> list[str]:
+        """The hashes a session created from this policy by earlier versions stored: as given (before the tier),
+        and stated before ``drift.follow_ups`` existed. An adapter that finds sessions by policy tries these."""
+        out = [self.sha256]
+        if self.drift.follow_ups is None:
+            before = self.model_copy(update={"memory": self.memory or MemoryPolicy()})
+            out.append(before.sha256)
+        return [h for h in dict.fromkeys(out) if h != self.stated().sha256]
 
     @property
     def tiered(self) -> bool:
@@ -227,6 +245,7 @@ class Policy(_Strict):
 _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("memory",): None,
     ("compression", "span_unit"): "word",
+    ("drift", "follow_ups"): None,
 }
 
 

@@ -66,7 +66,7 @@ class Session:
                                    getattr(runner.model.config, "max_position_embeddings", None))
         self.counter = self.admission.counter
         self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
-                                  subjects=policy.drift.new_subject)
+                                  subjects=policy.drift.new_subject, follow_ups=bool(policy.drift.follow_ups))
         self.recovered: Reply | None = None
         if policy.tiered:
             POOL.configure(policy.memory.max_bytes, policy.memory.spill_dir)

@@ -170,3 +170,45 @@ def test_detector_bench_reports_every_shape():
         assert s["tp"] + s["fn"] == 2 * 4 and s["fp"] + s["tn"] == 2 * 5  # 4 shifts and 5 follow-ups a scenario
     # the question, not the pasted document, is what the detector reads: both shapes score alike
     assert out["cells"]["people/pasted"]["at_default"] == out["cells"]["people/message"]["at_default"]
+
+
+@pytest.mark.parametrize(("question", "expected"), [
+    ("How many of them are in stock?", True),
+    ("Which bin is that one kept in?", True),
+    ("And what does it cost?", True),
+    ("By how much?", True),  # elliptical: a few words ending in a question mark
+    ("Why?", True),
+    ("What is the price of the blue widget?", False),
+    ("Draft a short reorder note for the steel bracket.", False),
+    ("Write a haiku about the sea.", False),
+    # a pronoun inside its own sentence counts too (a known limit); the new name still makes this one a shift
+    ("Now list the rivers of Peru and their lengths in km.", True),
+    ("Is the itinerary ready for the hotel stay next week?", False),  # "it" only inside words
+])
+def test_refers_back(question, expected):
+    from snapkv_sessions.drift import refers_back
+
+    assert refers_back(question) is expected
+
+
+def test_a_follow_up_is_not_scored_by_its_wording():
+    """drift.follow_ups: a question that refers back is not a shift by embedding drift alone; a new subject or
+    evicted evidence still is. A policy stored before the setting existed keeps it off and keeps its hash."""
+    from snapkv_sessions.drift import DriftMonitor, shift_score
+    from snapkv_sessions.policy import Policy
+
+    assert shift_score(0.9, False, False) == 0.9 and shift_score(0.9, False, False, follow_up=True) == 0.0
+    assert shift_score(0.9, True, False, follow_up=True) == 1.0 and shift_score(0.2, False, True, follow_up=True) == 1.0
+    context = "PARTS\nsteel bracket: price 12.50, stock 40.\nblue widget: price 3.10, stock 7."
+    on, off = DriftMonitor("minilm", follow_ups=True), DriftMonitor("minilm", follow_ups=False)
+    for monitor in (on, off):
+        monitor.observe("What is the price of the steel bracket?", context)
+    kept = [np.arange(len(context))[None]]
+    positions = np.arange(len(context))
+    follow = "How many of them are in stock?"
+    assert off.assess(follow, context, positions, kept).score == off.assess(follow, context, positions, kept).embedding_drift
+    assert on.assess(follow, context, positions, kept).score == 0.0
+    assert on.assess("What is the price of the blue widget?", context, positions, kept).score == 1.0  # a new subject
+    old = Policy.from_dict({"compression": {"budget": 64, "window": 8}, "memory": {"cold": True}})
+    assert old.drift.follow_ups is None and "follow_ups" not in old.canonical_json()
+    assert old.stated().drift.follow_ups is True and old.sha256 in old.earlier_hashes()

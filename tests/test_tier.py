@@ -122,7 +122,8 @@ def test_tiered_session_equals_reprefill_every_turn(smollm2, tmp_path):
     """SmolLM2, five turns with a system pin and a task shift: a tiered session's replies and kept sets equal
     those of a session that re-prefills every turn; it never re-prefills, and replay --verify re-executes it."""
     store = SessionStore(f"sqlite:///{tmp_path / 's.db'}")
-    every = {**_policy(cold=False), "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
+    every = {**_policy(cold=False), "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill",
+                                              "follow_ups": False},
              "recovery": {"min_turns_between": 0}}
     sessions = {}
     for name, policy in (("tiered", _policy()), ("every", every)):
@@ -191,7 +192,7 @@ def test_policy_memory_is_stated_at_creation_and_old_hashes_stay():
     assert stated.tiered and stated.memory.on_shift == "tier" and stated.sha256 != old.sha256
     assert Policy.from_yaml(stated.canonical_json()).sha256 == stated.sha256
     off = Policy.from_dict({"memory": {"cold": False}})
-    assert off.stated() is off and not off.tiered
+    assert off.stated().memory is off.memory and not off.stated().tiered
 
 
 def test_dynamic_cache_refuses_the_tier():

@@ -15,7 +15,7 @@ from snapkv_sessions.transcript import TurnPlan, observation_window, to_ranges
 DOC = "\n".join(f"Parcel {1000 + i}: courier agent A{i * 7 % 13}, RULE {i}: fragile." for i in range(24))
 POLICY = {"compression": {"budget": 256, "window": 8},
           "pins": {"roles": ["system"], "markers": ["fragile"], "patterns": [r"RULE \d+"], "sink_tokens": 4},
-          "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
+          "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill", "follow_ups": False},
           "recovery": {"min_turns_between": 2},
           "memory": {"on_shift": "reprefill"}}  # re-prefills and tiered turns alternate
 QUESTIONS = ["Who is the courier for parcel 1003?", "And parcel 1010?", "Which parcels are fragile?",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from ..drift import WorkingSet, key_terms, make_embedder, new_subject, question_text, shift_score
+from ..drift import WorkingSet, key_terms, make_embedder, new_subject, question_text, refers_back, shift_score
 from .shift import Scenario, Turn, make_scenario
 
 ADJECTIVES = ["steel", "blue", "copper", "round", "small", "heavy", "silver", "red", "oak", "glass", "green", "brass"]
@@ -58,16 +58,18 @@ def scenario(seed: int, kind: str, shape: str) -> Scenario:
     return sc
 
 
-def flags(sc: Scenario, vectors, threshold: float) -> list[bool]:
+def flags(sc: Scenario, vectors, threshold: float, follow_ups: bool = True) -> list[bool]:
     """The session's text-side detector over a scenario: each turn's question (not a pasted document) against the
-    working set, names read with the document as context; the working set resets after a detected shift."""
+    working set, names read with the document as context; the working set resets after a detected shift.
+    ``follow_ups``: a question that refers back is not scored by its wording (policy drift.follow_ups)."""
     work = WorkingSet(vectors.shape[1])
     out = []
     for turn, vector in zip(sc.turns, vectors, strict=True):
         question = question_text(turn.question)
         drift = work.drift(vector)
         fresh = drift is not None and new_subject(key_terms(question, sc.document), work.terms)
-        shift = drift is not None and shift_score(drift, fresh, evidence_missing=False) > threshold
+        follow = follow_ups and refers_back(question)
+        shift = drift is not None and shift_score(drift, fresh, False, follow_up=follow) > threshold
         if shift:
             work.reset()
         work.add(question, vector, sc.document)
@@ -80,10 +82,10 @@ def _embedded(seeds: range, kind: str, shape: str, emb) -> list[tuple[Scenario, 
     return [(sc, emb.embed([question_text(t.question) for t in sc.turns])) for sc in scs]
 
 
-def score(cases: list[tuple[Scenario, object]], threshold: float) -> dict:
+def score(cases: list[tuple[Scenario, object]], threshold: float, follow_ups: bool = True) -> dict:
     tp = fp = fn = tn = 0
     for sc, vectors in cases:
-        for turn, flag in zip(sc.turns, flags(sc, vectors, threshold), strict=True):
+        for turn, flag in zip(sc.turns, flags(sc, vectors, threshold, follow_ups), strict=True):
             tp += flag and turn.label == "shift"
             fp += flag and turn.label == "follow"
             fn += not flag and turn.label == "shift"
@@ -120,6 +122,7 @@ def run(scenarios: int, threshold: float | None = None, calibration: int = 40) -
         for shape in SHAPES:
             cases = _embedded(range(scenarios), kind, shape, emb)
             cells[f"{kind}/{shape}"] = {"at_default": score(cases, default),
+                                        "at_default_without_follow_ups": score(cases, default, follow_ups=False),
                                         "at_calibrated": score(cases, calib["threshold"]),
                                         **({"at_given": score(cases, threshold)} if threshold is not None else {})}
     return {"benchmark": "detector", "scenarios_per_cell": scenarios, "default_threshold": default,
@@ -127,13 +130,13 @@ def run(scenarios: int, threshold: float | None = None, calibration: int = 40) -
 
 
 def table(result: dict) -> str:
-    head = f"{'kind/shape':<16} {'threshold':>9} {'precision':>9} {'recall':>7} {'tp':>4} {'fp':>4} {'fn':>4}"
+    head = f"{'kind/shape':<16} {'threshold':>16} {'precision':>9} {'recall':>7} {'tp':>4} {'fp':>4} {'fn':>4}"
     lines = [head, "-" * len(head)]
     for name, cell in result["cells"].items():
         for label, s in cell.items():
-            t = {"at_default": result["default_threshold"], "at_calibrated": result["calibration"]["threshold"]}.get(
-                label, "given")
-            lines.append(f"{name:<16} {t!s:>9} {s['precision']!s:>9} {s['recall']!s:>7} {s['tp']:>4} {s['fp']:>4} "
+            t = {"at_default": result["default_threshold"], "at_calibrated": result["calibration"]["threshold"],
+                 "at_default_without_follow_ups": f"{result['default_threshold']} (no f-u)"}.get(label, "given")
+            lines.append(f"{name:<16} {t!s:>16} {s['precision']!s:>9} {s['recall']!s:>7} {s['tp']:>4} {s['fp']:>4} "
                          f"{s['fn']:>4}")
     lines.append(f"calibration: {result['calibration']}")
     return "\n".join(lines)

@@ -42,7 +42,8 @@ def method_policy(method: str, ratio: float, window: int) -> Policy:
         "session": {**session, "memory": no_tier},
         "tiered": {**session, "memory": {"cold": True, "on_shift": "tier"}},  # the session with the tiered memory
         # the best any selection does at the budget: a fresh full prefill, compressed with each turn's window
-        "every": {**session, "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
+        "every": {**session, "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill",
+                                       "follow_ups": False},
                   "recovery": {"min_turns_between": 0}, "memory": no_tier},
         "streaming": {"compression": {**comp, "method": "streaming"}, "pins": no_pins, "drift": {"embedder": "none"},
                       "memory": no_tier},

@@ -107,14 +107,15 @@ def is_degenerate(tokens: list[int], stop_reason: str) -> bool:
 def detect(scenario: Scenario, vectors, threshold: float, subjects: bool = True) -> list[bool]:
     """The session's text-side detector (embedding drift, new subject) over a scenario, without a model: the
     working set is reset after each detected shift, as a session does. One flag per turn ("first" is False)."""
-    from ..drift import WorkingSet, key_terms, new_subject, shift_score
+    from ..drift import WorkingSet, key_terms, new_subject, refers_back, shift_score
 
     work = WorkingSet(vectors.shape[1])
     flags = []
     for turn, vector in zip(scenario.turns, vectors, strict=True):
         drift = work.drift(vector)
         fresh = subjects and drift is not None and new_subject(key_terms(turn.question), work.terms)
-        shift = drift is not None and shift_score(drift, fresh, evidence_missing=False) > threshold
+        follow = refers_back(turn.question)  # as a new session's policy states (drift.follow_ups)
+        shift = drift is not None and shift_score(drift, fresh, False, follow_up=follow) > threshold
         if shift:
             work.reset()
         work.add(turn.question, vector)
@@ -162,7 +163,9 @@ CONDITIONS = {
     "b_snapkv": {"drift": {"embedder": "none"}, "memory": NO_TIER},
     "c_drift": {"drift": {"embedder": "minilm", "threshold": 0.6, "action": "reprefill"},  # threshold: run()
                 "memory": NO_TIER},
-    "d_every_turn": {"drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill"},
+    # every turn re-prefilled: a threshold of 0 and every question scored by its wording, follow-ups included
+    "d_every_turn": {"drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill",
+                               "follow_ups": False},
                      "recovery": {"min_turns_between": 0}, "memory": NO_TIER},
     # the tiered memory: evicted KV waits in the host tier; drift is still assessed (and recorded), but a shift
     # is served by the tier ("tiered") instead of a re-prefill

@@ -189,7 +189,7 @@ class ChatSnapKV(BaseChatModel):
         given = Policy.load(self.policy)
         self._policy = given.stated()  # as a new session stores it
         # a thread's session may predate the tiered memory: stored under the policy as it was given then
-        self._legacy_sha = given.sha256 if given.memory is None else None
+        self._legacy_shas = given.earlier_hashes()
 
     # ------------------------------------------------------------------ LangChain metadata
 
@@ -299,8 +299,10 @@ class ChatSnapKV(BaseChatModel):
         store = self._session_store()
         sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=self._policy.sha256,
                                        legacy_title=self._title(thread_id))
-        if sid is None and self._legacy_sha is not None:
-            sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=self._legacy_sha,
+        for earlier in self._legacy_shas:  # the thread's session may predate the tier or drift.follow_ups
+            if sid is not None:
+                break
+            sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=earlier,
                                            legacy_title=self._title(thread_id))
         return None if sid is None else Session.open(sid, model=self.model, store=store)
 
