@@ -129,6 +129,9 @@ class ColdKV:
         prefill's) folds the layer's hot slots into the cold tier, where every position below the cut is then
         held once. The turn's compression chooses hot afresh from the union either way. Returns the tokens rewound.
         """
+        if self.lost is not None or self.spilled is not None:  # folding would read slots the tier no longer holds
+            raise RuntimeError(f"the cold tier does not hold the session ({self.lost or 'spilled to disk'}); "
+                               "re-prefill from the store")
         reply = self.reply_length(state)
         self.decode_start = None
         n = min(max(n, reply), state.next_position)

@@ -205,6 +205,13 @@ def test_keys_scope_sessions(server):
                 server.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
                             KEY_B, headers={"X-Session-Id": sid})):
         assert res.status_code == 404 and res.json()["error"]["code"] == "session_not_found", res.text
+    # streamed too: the session is resolved before the stream opens, so the status is the 404
+    res = server.post("/chat/completions", {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+                      KEY_B, headers={"X-Session-Id": sid})
+    assert res.status_code == 404 and res.json()["error"]["code"] == "session_not_found", res.text
+    res = server.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+                      KEY_A, headers={"X-Session-Id": "../not a session"})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "session_id"
     assert sid not in {s["id"] for s in server.get("/sessions", KEY_B).json()["data"]}
     assert sid in {s["id"] for s in server.get("/sessions", KEY_A).json()["data"]}
     # B sending A's exact conversation starts B's own session: the content lookup is scoped to the caller
@@ -379,6 +386,26 @@ def test_bench_serve_small_run():
 
 
 # ---------------------------------------------------------------------- the worker, in process
+
+
+def test_a_waiting_job_whose_client_left_never_starts():
+    worker = Worker(max_queue=2)
+    gate, ran = threading.Event(), []
+    try:
+        first = worker.submit(lambda job: gate.wait(10), timeout_s=30)
+        time.sleep(0.2)
+        left = worker.submit(lambda job: ran.append(1), timeout_s=30)
+        left.cancelled.set()  # the client disconnected while its request waited
+        gate.set()
+        assert first.future.result(5) is True
+        with pytest.raises(DeadlineExceeded):
+            left.future.result(5)
+        assert ran == []
+    finally:
+        gate.set()
+        worker.close()
+    with pytest.raises(ValueError, match="max_queue=0"):
+        Worker(max_queue=0)
 
 
 def test_a_full_queue_refuses_at_once_and_a_late_job_never_starts():

@@ -159,17 +159,31 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         assert worker is not None
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        ready: asyncio.Future[str] = loop.create_future()  # the session that serves the turn, once resolved
 
         def emit(text: str) -> None:
             loop.call_soon_threadsafe(pieces.put_nowait, text)
 
+        def resolved(session_id: str) -> None:
+            loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(session_id))
+
         def work(job: Job) -> TurnOutput | None:
-            try:
-                return service.stream(turn, job, emit)
-            finally:
-                loop.call_soon_threadsafe(pieces.put_nowait, None)
+            return service.stream(turn, job, emit, resolved)
 
         job = worker.submit(work, options.request_timeout_s)  # a full queue is a 429 before the stream opens
+        # the end of the pieces, however the job ends (also when the worker never ran it: deadline, shutdown)
+        job.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(pieces.put_nowait, None))
+        done = asyncio.wrap_future(job.future)
+        try:
+            # which session, and every check before the turn, decide the status: 404, 409, 400 come as such
+            await asyncio.wait([ready, done], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        if not ready.done():
+            exc = done.exception()
+            if exc is not None:
+                raise exc
         cid = protocol.completion_id()
 
         async def events() -> AsyncIterator[str]:
@@ -178,7 +192,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
                 while (text := await pieces.get()) is not None:
                     yield json.dumps(protocol.chunk(cid, req.model, {"content": text}))
                 try:
-                    out = await asyncio.wrap_future(job.future)
+                    out = await done
                 except Exception as exc:  # noqa: BLE001 - the stream is open: the error goes in it
                     yield json.dumps(protocol.error(str(as_api_error(exc)), as_api_error(exc).kind))
                     return
@@ -201,7 +215,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
             async for data in events():
                 yield {"data": data}
 
-        headers = {SESSION_HEADER: turn.session_id} if turn.session_id else {}
+        headers = {SESSION_HEADER: ready.result()} if ready.done() else {}
         return EventSourceResponse(sse(), headers=headers, ping=15)
 
     # ------------------------------------------------------------------ sessions

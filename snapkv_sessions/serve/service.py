@@ -17,9 +17,11 @@ them (a digest of it is stored); another key's sessions do not exist for a calle
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from ..chat import Message
 from ..conversations import FINISH, StreamFilter, commit, reply_view, unseen, with_tools
@@ -31,10 +33,23 @@ from ..policy import Policy
 from ..session import Reply, Session
 from ..store import SessionStore, StoreError
 from ..store.hashing import GENESIS, message_hash
+from ..tier import POOL
 from . import protocol
 from .worker import DeadlineExceeded, Job
 
 SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
+SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _utc(moment: datetime) -> datetime:
+    """A stored timestamp as UTC (SQLite hands back naive datetimes for timezone-aware columns)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def _release(session: Session) -> None:
+    """Give a session's cold tier back to the pool (and remove its spill file) when the server lets it go."""
+    if session.state is not None and session.state.cold is not None:
+        POOL.release(session.state.cold)
 
 
 class NotFound(LookupError):
@@ -107,6 +122,8 @@ class Service:
             gen["seed"] = req.seed
         GenerationConfig.from_call(gen)  # a bad combination is refused before anything is stored
         session_id = session_header or (req.metadata or {}).get("session_id")
+        if session_id is not None and not SESSION_ID.fullmatch(session_id):
+            raise ConfigError("session_id", session_id[:80], "is not a session id")
         return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
 
     def chat(self, turn: TurnRequest, job: Job) -> TurnOutput:
@@ -116,12 +133,17 @@ class Service:
             raise DeadlineExceeded("the request ran past its deadline; its turn was abandoned")
         return out
 
-    def stream(self, turn: TurnRequest, job: Job, emit) -> TurnOutput | None:
-        """Stream a turn: ``emit(text)`` for each piece that may be shown. Stops, abandoning the turn cleanly, when
-        the job is told to (the client left, or the deadline passed); then returns None."""
+    def stream(self, turn: TurnRequest, job: Job, emit, resolved=None) -> TurnOutput | None:
+        """Stream a turn: ``emit(text)`` for each piece that may be shown; ``resolved(session_id)`` once the
+        session is found and the earlier messages committed. Stops, abandoning the turn cleanly, when the job is
+        told to (the client left, or the deadline passed); then returns None."""
+        if job.should_stop():  # the client left while the request waited: nothing is done for it
+            return None
         session, new, fresh = self._session_for(turn)
         for message in new[:-1]:
             commit(session, message)
+        if resolved is not None:
+            resolved(session.id)
         shown = StreamFilter(bool(turn.tools))
         pieces: Iterator[str] = session.stream(new[-1], **turn.generation)
         try:
@@ -175,7 +197,8 @@ class Service:
             if new is not None:
                 return hit["id"], new
         best: tuple[str, list[Message]] | None = None
-        for row in reversed(self.store.list_sessions(owner=turn.owner, any_owner=False)[-SCAN_RECENT:]):
+        rows = self.store.list_sessions(owner=turn.owner, any_owner=False)
+        for row in sorted(rows, key=lambda r: (_utc(r["updated_at"]), r["id"]), reverse=True)[:SCAN_RECENT]:
             if row["model_id"] != self.model_id or row["policy_sha256"] != self.policy.sha256:
                 continue
             new = unseen((self.store, row["id"]), turn.wanted, turn.tools)
@@ -195,7 +218,8 @@ class Service:
         self.live[session.id] = session
         self.live.move_to_end(session.id)
         while len(self.live) > self.max_live:
-            self.live.popitem(last=False)  # rebuilt exactly from the store when next used
+            _, gone = self.live.popitem(last=False)  # rebuilt exactly from the store when next used
+            _release(gone)
 
     # ------------------------------------------------------------------ session endpoints
 
@@ -210,7 +234,7 @@ class Service:
         return row
 
     def sessions(self, owner: str | None) -> list[dict]:
-        return [{"id": r["id"], "object": "session", "created_at": int(r["created_at"].timestamp()),
+        return [{"id": r["id"], "object": "session", "created_at": int(_utc(r["created_at"]).timestamp()),
                  "model": r["model_id"], "title": r["title"], "turns": r["turns_done"], "messages": r["messages"]}
                 for r in self.store.list_sessions(owner=owner, any_owner=False)]
 
@@ -239,6 +263,8 @@ class Service:
 
     def delete(self, session_id: str, owner: str | None) -> dict:
         self._owned(session_id, owner)
-        self.live.pop(session_id, None)
+        gone = self.live.pop(session_id, None)
+        if gone is not None:
+            _release(gone)  # its cold tier, and a spill file if it has one
         self.store.delete_session(session_id)
         return {"id": session_id, "object": "session", "deleted": True}

@@ -53,20 +53,24 @@ class Worker:
     """Runs jobs one at a time on its own thread, from a queue of at most ``max_queue`` waiting jobs."""
 
     def __init__(self, max_queue: int, typical_job_s: float = 5.0) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue={max_queue!r}: must be an int >= 1 (a queue of 0 would be unbounded)")
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.typical_job_s = typical_job_s
         self.closing = False
+        self._gate = threading.Lock()  # closing and enqueueing happen one at a time: no job lands after the end
         self.thread = threading.Thread(target=self._loop, name="snapkv-serve-worker", daemon=True)
         self.thread.start()
 
     def submit(self, fn: Callable[[Job], object], timeout_s: float) -> Job:
-        if self.closing:
-            raise ShuttingDown("the server is shutting down")
         job = Job(fn, time.monotonic() + timeout_s)
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            raise Busy(max(1, round(self.jobs.qsize() * self.typical_job_s))) from None
+        with self._gate:
+            if self.closing:
+                raise ShuttingDown("the server is shutting down")
+            try:
+                self.jobs.put_nowait(job)
+            except queue.Full:
+                raise Busy(max(1, round(self.jobs.qsize() * self.typical_job_s))) from None
         return job
 
     def _loop(self) -> None:
@@ -82,6 +86,9 @@ class Worker:
             if job.expired():
                 job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
                 continue
+            if job.cancelled.is_set():  # its client left while it waited
+                job.future.set_exception(DeadlineExceeded("the client left before the request ran"))
+                continue
             try:
                 job.future.set_result(job.fn(job))
             except BaseException as exc:  # noqa: BLE001 - handed to the request that submitted it
@@ -89,7 +96,8 @@ class Worker:
 
     def close(self, wait_s: float = 30.0) -> None:
         """Finish the running job, refuse the waiting ones, stop the thread."""
-        self.closing = True
+        with self._gate:
+            self.closing = True  # from here no job is enqueued, so the end marker below is the last item
         try:
             self.jobs.put(None, timeout=wait_s)
         except queue.Full:
