@@ -23,13 +23,16 @@ import torch.nn.functional as F
 ATTN_NAME = "snapkv"
 
 
-def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled dot-product attention whose queries are the last ``Q`` positions of the keys.
 
     Parameters
     ----------
     query : (B, Hq, Q, D)
     key, value : (B, Hkv, T, D), with T >= Q; Hq a multiple of Hkv (GQA)
+    key_mask : (B, 1, 1, T) bool, decode only: the keys each row may see (several sessions padded into one
+        batch, :mod:`snapkv_sessions.batch`); None: all of them
 
     Returns
     -------
@@ -37,8 +40,8 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     """
     q_len, t_len = query.shape[-2], key.shape[-2]
     gqa = query.shape[1] != key.shape[1]
-    if q_len == 1:  # decode: the one query sees every cached key
-        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
+    if q_len == 1:  # decode: the one query sees every cached key (of its own row)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=key_mask, scale=scaling, enable_gqa=gqa)
     elif q_len == t_len:  # prefill on an empty cache: plain causal
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:  # prefill onto a cache: bottom-right aligned causal mask
@@ -107,6 +110,7 @@ def snapkv_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     snapkv_probe: WindowProbe | None = None,
+    snapkv_keymask: dict | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """``transformers.AttentionInterface`` function: causal SDPA plus the optional window probe.
@@ -118,7 +122,8 @@ def snapkv_attention_forward(
         scaling = query.shape[-1] ** -0.5
     if snapkv_probe is not None:
         snapkv_probe.record(module.layer_idx, query, key, scaling)
-    return causal_sdpa(query, key, value, scaling), None
+    key_mask = None if snapkv_keymask is None else snapkv_keymask[module.layer_idx]  # (S, 1, 1, T) batched decode
+    return causal_sdpa(query, key, value, scaling, key_mask), None
 
 
 def register() -> str:

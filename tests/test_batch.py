@@ -1,0 +1,54 @@
+"""Batched decode (issue 17, first part): one forward for several sessions gives each the logits it would get
+alone, whatever their lengths, budgets and compressions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny
+
+from snapkv_sessions.batch import decode_step
+from snapkv_sessions.config import CompressionConfig
+from snapkv_sessions.generation import GenerationConfig
+from snapkv_sessions.runner import ModelRunner
+
+
+def _sessions(runner: ModelRunner, tiered: bool = False) -> list:
+    """Three states of different lengths: uncompressed, compressed at two budgets (one of them twice)."""
+    g = torch.Generator().manual_seed(3)
+    gen = GenerationConfig(max_new_tokens=3, eos_token_ids=())
+    states = []
+    for length, budget, turns in ((17, None, 1), (60, 40, 1), (45, 24, 2)):
+        state = runner.new_state(tiered=tiered)
+        comp = CompressionConfig.make(budget=budget, window=4) if budget else None
+        for _ in range(turns):
+            runner.turn(state, torch.randint(3, 90, (length,), generator=g).tolist(), comp, gen)
+        states.append(state)
+    return states
+
+
+@pytest.mark.parametrize(("kind", "tiered"), [("llama", False), ("qwen2", False), ("llama", True)])
+def test_a_batched_step_equals_each_session_alone(kind, tiered):
+    runner = ModelRunner(build_tiny(kind, layers=3))
+    together, alone = _sessions(runner, tiered), _sessions(runner, tiered)
+    assert len({s.next_position for s in together}) == 3  # different lengths and positions
+    tokens = [s.pending[0] for s in together]
+    for s in together + alone:
+        s.pending = []
+    for _ in range(5):  # greedy, five steps
+        batch_logits = decode_step(runner, together, tokens)  # (S, V)
+        single = torch.stack([runner.step(s, t) for s, t in zip(alone, tokens, strict=True)])  # (S, V)
+        torch.testing.assert_close(batch_logits, single, rtol=1e-4, atol=1e-5)
+        assert batch_logits.argmax(-1).tolist() == single.argmax(-1).tolist()
+        tokens = single.argmax(-1).tolist()
+    for a, b in zip(together, alone, strict=True):  # each cache advanced exactly as alone
+        assert a.token_ids == b.token_ids and a.cache_lengths() == b.cache_lengths()
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+        assert all(torch.equal(pa, pb) for pa, pb in zip(a.positions, b.positions, strict=True))
+
+
+def test_one_token_per_state():
+    runner = ModelRunner(build_tiny("llama", layers=2))
+    with pytest.raises(ValueError, match="one token per state"):
+        decode_step(runner, [runner.new_state()], [1, 2])
