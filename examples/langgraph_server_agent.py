@@ -17,17 +17,15 @@ import argparse
 import json
 import os
 import secrets
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
+
+from snapkv_sessions.bench.serve import start_server
 
 ORDERS = {"A-1042": "shipped on 3 March, arriving 6 March", "A-2210": "waiting for stock"}
 RATES = {"lisbon": "12.50 EUR", "lisboa": "12.50 EUR", "oslo": "19.00 EUR", "graz": "9.80 EUR"}
@@ -49,33 +47,6 @@ def shipping_cost(city: str) -> str:
     return RATES.get(city.strip().lower(), f"no rate for {city}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, key: str, folder: Path) -> tuple[subprocess.Popen, str]:
-    """``snapkv-sessions serve`` on a free loopback port, with a private SQLite store; waits until it answers."""
-    port = _free_port()
-    policy = folder / "policy.json"
-    policy.write_text(json.dumps(POLICY))
-    cmd = [sys.executable, "-m", "snapkv_sessions.cli", "serve", "--model", model, "--policy", str(policy),
-           "--db", str(folder / "sessions.db"), "--port", str(port), "--api-key", key, "--max-tokens", "160"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "serve.log", "w"))  # noqa: SIM115
-    url = f"http://127.0.0.1:{port}/v1"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {(folder / 'serve.log').read_text()[-2000:]}")
-        try:
-            httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit("the server did not answer within 300 s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -86,7 +57,11 @@ def main() -> None:
 
     key = args.api_key or os.environ.get("SNAPKV_SERVE_KEY") or secrets.token_hex(16)
     folder = Path(tempfile.mkdtemp(prefix="snapkv-serve-example-"))
-    proc, url = (None, args.base_url) if args.base_url else start_server(args.model, key, folder)
+    proc, url = None, args.base_url
+    if url is None:
+        policy = folder / "policy.json"
+        policy.write_text(json.dumps(POLICY))
+        proc, url = start_server(args.model, folder, "--policy", str(policy), "--api-key", key, "--max-tokens", "160")
     try:
         llm = ChatOpenAI(model=args.model, base_url=url, api_key=key, temperature=0, max_tokens=160, max_retries=0)
         agent = create_react_agent(llm, [order_status, shipping_cost])

@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +19,7 @@ from conftest import bundle_available
 
 openai = pytest.importorskip("openai")
 
+from snapkv_sessions.bench.serve import start_server  # noqa: E402
 from snapkv_sessions.serve.worker import Busy, DeadlineExceeded, Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -32,33 +29,13 @@ POLICY = {"compression": {"budget": 256, "window": 16}, "pins": {"roles": ["syst
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     def __init__(self, tmp: Path, *args: str) -> None:
-        self.port = _free_port()
-        self.db = tmp / "serve.db"
+        self.db = tmp / "sessions.db"
         policy = tmp / "policy.json"
         policy.write_text(json.dumps(POLICY))
-        cmd = [sys.executable, "-m", "snapkv_sessions.cli", "serve", "--model", MODEL, "--db", str(self.db),
-               "--policy", str(policy), "--port", str(self.port), "--max-tokens", "12", *args]
-        self.log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ})
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {(tmp / 'serve.log').read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/models", headers=self.auth(KEY_A), timeout=2).status_code in (200, 401):
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise RuntimeError("the server did not come up in 180 s")
+        self.proc, self.url = start_server(MODEL, tmp, "--policy", str(policy), "--max-tokens", "12", *args,
+                                           wait_s=180)
 
     @staticmethod
     def auth(key: str | None) -> dict:
@@ -78,10 +55,7 @@ class Server:
 
     def stop(self) -> int:
         self.proc.terminate()  # uvicorn's graceful shutdown
-        try:
-            return self.proc.wait(timeout=60)
-        finally:
-            self.log.close()
+        return self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -37,29 +37,30 @@ class TurnTiming:
     prompt_tokens: int
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def start_server(model: str, folder: Path, *args: str, wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """``snapkv-sessions serve --model model`` on a free loopback port with the store ``folder/sessions.db`` and
+    ``args`` (more serve options); its output goes to ``folder/serve.log``. Returns once it answers any request
+    (a 401 included), with the process and its ``/v1`` URL. Used by ``bench serve``, the examples and the tests."""
+    with socket.socket() as s:  # a free port: bound, read, released
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, folder: Path, max_queue: int, policy: str | None = None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "snapkv_sessions.cli", "serve", "--model", model, "--db", str(folder / "bench.db"),
-           "--port", str(port), "--max-queue", str(max_queue), *(["--policy", policy] if policy else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "serve.log", "w"))  # noqa: SIM115
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "snapkv_sessions.cli", "serve", "--model", model, "--db",
+           str(folder / "sessions.db"), "--port", str(port), *args]
+    log = folder / "serve.log"
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {(folder / 'serve.log').read_text()[-2000:]}")
+            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
         try:
             httpx.get(f"{url}/models", timeout=2)
             return proc, url
         except httpx.HTTPError:
             time.sleep(0.5)
     proc.terminate()
-    raise RuntimeError("the server did not answer within 300 s")
+    raise RuntimeError(f"the server did not answer within {wait_s:.0f} s")
 
 
 def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, client: int, turn: int,
@@ -144,7 +145,7 @@ def run(model: str, levels: list[int], turns: int, max_tokens: int, base_url: st
     proc, folder = None, Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
     url = base_url
     if url is None:
-        proc, url = start_server(model, folder, max_queue, policy)
+        proc, url = start_server(model, folder, "--max-queue", str(max_queue), *(["--policy", policy] if policy else []))
     try:
         stream_turn(url, model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
         rows, per_turn = [], {}

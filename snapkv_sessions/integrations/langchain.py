@@ -321,12 +321,7 @@ class ChatSnapKV(BaseChatModel):
     # ------------------------------------------------------------------ one call
 
     def _wanted(self, messages: list[BaseMessage], tools: list[dict] | None, tool_choice: Any) -> list[Message]:
-        if not messages:
-            raise ConfigError("messages", messages, "give at least one message")
-        wanted = [to_message(m, i) for i, m in enumerate(messages)]
-        if wanted[-1].role not in ("user", "tool"):
-            raise ConfigError("messages[-1].role", wanted[-1].role, "the last message must be a human or tool message")
-        return with_tools(wanted, tools, tool_choice)
+        return with_tools([to_message(m, i) for i, m in enumerate(messages)], tools, tool_choice)
 
     def _generation(self, stop: list[str] | None, kwargs: dict) -> dict:
         gen = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
