@@ -24,7 +24,7 @@ from .policy import Policy
 from .press import layer_budgets
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
-from .tier import POOL
+from .tierpool import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
 from .turn import Reply, TurnOutcome
 

@@ -17,7 +17,8 @@ from snapkv_sessions.generation import GenerationConfig
 from snapkv_sessions.policy import Policy
 from snapkv_sessions.runner import ModelRunner
 from snapkv_sessions.store.blobs import unpack_positions
-from snapkv_sessions.tier import POOL, ColdKV, ColdLayer, TierPool
+from snapkv_sessions.tier import ColdKV, ColdLayer
+from snapkv_sessions.tierpool import POOL, TierPool
 
 TURN_LENGTHS = (50, 20, 5, 12, 25)  # the third turn is shorter than the window: it reaches back into the reply
 PINNED = range(10, 16)  # tokens of the first turn pinned, as a system prompt's would be

@@ -33,7 +33,7 @@ from ..policy import Policy
 from ..session import Reply, Session
 from ..store import SessionStore, StoreError
 from ..store.hashing import GENESIS, message_hash
-from ..tier import POOL
+from ..tierpool import POOL
 from . import protocol
 from .worker import DeadlineExceeded, Job
 
