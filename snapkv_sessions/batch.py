@@ -1,81 +1,197 @@
-"""One decode step for several sessions at once: one forward, every weight read once for all of them.
+"""Decode slots: several sessions' caches in one preallocated batch, one forward for all their next tokens.
 
-Each session keeps its own compact cache (its length, its true positions). For the step, every layer's keys and
-values are laid side by side in a padded batch ``(S, Hkv, T_max, D)`` with a key mask, the new token of each
-session is written to its own cache first (so nothing is scattered back afterwards), and each query attends to
-its own session's keys only. Rows are independent: a session's logits equal those of a step taken alone (the
-equality tests in ``tests/test_batch.py``).
+Every session's cache is bounded by its budget plus the current turn, so decoding sessions fit fixed-size slots.
+Per layer the pool holds keys and values ``(S, Hkv, T_cap, D)``; a session that starts decoding is copied into a
+free slot once (:meth:`SlotPool.admit`), each step writes its new token's keys and values in place at its own
+length and true position, and a key mask hides the padding past each slot's length. When the reply ends the slot
+is copied back into the session's own cache (:meth:`SlotPool.release`), which stays the exactly recoverable state
+(store, cold tier), and the last occupied slot moves into the hole, so the active slots are always ``[0, n)`` and
+a step reads plain views. Rows are independent: each session's logits equal those of a step taken alone (the
+equality tests in ``tests/test_batch.py`` and ``tests/test_scheduler.py``).
 
-The building block of batched serving (issue 17): a scheduler that interleaves prefills and compressions
-between such steps is not built yet.
+With ``static=True`` every step attends over the whole ``T_cap`` (masked), so the shapes of a step depend only on
+the number of active slots: what a CUDA graph capture needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .cache import set_layer
 from .state import KVState
+
+_ROUND = 64  # slot widths grow in steps of this many tokens, so a step's shapes rarely change
 
 
 class KeyMasks(dict):
-    """``{layer: (S, 1, 1, T_max) bool}``, filled by :class:`SlotLayer` as each layer runs; the attention function
+    """``{layer: (S, 1, 1, T) bool}``, filled by :class:`SlotLayer` as each layer runs; the attention function
     reads its layer's mask (``snapkv_keymask=`` through the model's forward kwargs)."""
 
 
-class SlotLayer(DynamicLayer):
-    """One layer of the step: the sessions' own cache layers, seen as one padded batch."""
+@dataclass
+class Slot:
+    """One occupied slot: the session's state, its per-layer lengths, and the tokens fed since admission."""
 
-    def __init__(self, layers: list, masks: KeyMasks, index: int) -> None:
+    state: KVState
+    lengths: list[int]  # per layer: slots used (its cache length plus the tokens fed)
+    fed: list[int] = field(default_factory=list)  # written here, not yet accounted in the state
+
+
+class SlotPool:
+    """Preallocated decode slots for up to ``size`` sessions of one model.
+
+    Parameters
+    ----------
+    num_layers : the model's layers
+    size : S, the most sessions decoding at once
+    static : attend over the whole slot width every step (fixed shapes) instead of the longest active slot
+    """
+
+    def __init__(self, num_layers: int, size: int, static: bool = False) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size={size!r}: must be an int >= 1")
+        self.num_layers, self.size, self.static = num_layers, size, static
+        self.keys: list[torch.Tensor] = []  # per layer (S, Hkv, T_cap, D)
+        self.values: list[torch.Tensor] = []
+        self.slots: list[Slot] = []  # slot i holds self.slots[i]; always the first len(self.slots)
+
+    @property
+    def width(self) -> int:
+        """T_cap: tokens one slot holds per layer."""
+        return self.keys[0].shape[-2] if self.keys else 0
+
+    @property
+    def free(self) -> int:
+        return self.size - len(self.slots)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def admit(self, state: KVState, extra: int) -> int:
+        """Copy ``state``'s cache into a free slot with room for ``extra`` more tokens; returns the slot."""
+        if not self.free:
+            raise RuntimeError(f"all {self.size} slots are taken")
+        layers = state.cache.layers
+        lengths = [int(lay.keys.shape[-2]) for lay in layers]
+        self._fit(layers[0].keys, max(lengths) + extra)
+        index = len(self.slots)
+        for layer, lay in enumerate(layers):
+            n = lengths[layer]
+            self.keys[layer][index, :, :n] = lay.keys[0]  # (Hkv, n, D)
+            self.values[layer][index, :, :n] = lay.values[0]
+        self.slots.append(Slot(state, lengths))
+        return index
+
+    def release(self, index: int) -> KVState:
+        """Copy slot ``index`` back into its session's own cache, account for the tokens fed, free the slot."""
+        slot = self.slots[index]
+        state = slot.state
+        for layer, lay in enumerate(state.cache.layers):
+            n = slot.lengths[layer]
+            set_layer(lay, self.keys[layer][index : index + 1, :, :n].clone(),  # (1, Hkv, n, D)
+                      self.values[layer][index : index + 1, :, :n].clone())
+        if slot.fed:
+            state.append(slot.fed, [False] * len(slot.fed), state.positions[0].shape[1], state.positions[0].device)
+        last = len(self.slots) - 1
+        if index != last:  # the last slot fills the hole: the active slots stay [0, n)
+            moved = self.slots[last]
+            for layer in range(self.num_layers):
+                n = max(moved.lengths[layer], 1)
+                self.keys[layer][index, :, :n] = self.keys[layer][last, :, :n]
+                self.values[layer][index, :, :n] = self.values[layer][last, :, :n]
+            self.slots[index] = moved
+        self.slots.pop()
+        return state
+
+    def _fit(self, like: torch.Tensor, need: int) -> None:
+        """Allocate the slots on first use, or widen them (keeping what they hold) when a session needs more."""
+        if need <= self.width:
+            return
+        width = -(-need // _ROUND) * _ROUND
+        _, heads, _, dim = like.shape
+        grown_k, grown_v = [], []
+        for layer in range(self.num_layers):
+            k = like.new_zeros(self.size, heads, width, dim)  # (S, Hkv, T_cap, D)
+            v = like.new_zeros(self.size, heads, width, dim)
+            if self.keys:
+                k[:, :, : self.width] = self.keys[layer]
+                v[:, :, : self.width] = self.values[layer]
+            grown_k.append(k)
+            grown_v.append(v)
+        self.keys, self.values = grown_k, grown_v
+
+    @torch.inference_mode()
+    def step(self, runner, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed ``tokens[i]`` to slot ``i`` at its session's true position, all in one forward; returns the
+        next-token logits (n, V) of the ``n`` active slots."""
+        n = len(self.slots)
+        if len(tokens) != n or not n:
+            raise ValueError(f"{n} active slots and {len(tokens)} tokens: give one token per slot, at least one")
+        for slot in self.slots:  # a slot is never written past its width: admit() reserved the reply's room
+            if max(slot.lengths) >= self.width:
+                raise RuntimeError(f"a slot is full ({self.width} tokens); admit it with more room")
+        device = self.keys[0].device
+        input_ids = torch.tensor([[int(t)] for t in tokens], device=device)  # (n, 1)
+        positions = [s.state.next_position + len(s.fed) for s in self.slots]
+        position_ids = torch.tensor(positions, device=device)[:, None]  # (n, 1) true positions
+        masks = KeyMasks()
+        out = runner.model(input_ids=input_ids, position_ids=position_ids, cache=SlotCache(self, n, masks),
+                           use_cache=True, logits_to_keep=1, snapkv_keymask=masks)
+        for slot, token in zip(self.slots, tokens, strict=True):
+            slot.fed.append(int(token))
+            slot.lengths = [length + 1 for length in slot.lengths]
+        return out.logits[:, -1]  # (n, V)
+
+
+class SlotLayer(DynamicLayer):
+    """One layer of a step: the active slots of the pool, seen as the layer's cache."""
+
+    def __init__(self, pool: SlotPool, n: int, masks: KeyMasks, index: int) -> None:
         super().__init__()
-        self.rows, self.masks, self.index = layers, masks, index
+        self.pool, self.n, self.masks, self.index = pool, n, masks, index
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """``key_states``/``value_states`` (S, Hkv, 1, D): appended to each session's own layer; returns the padded
-        batch (S, Hkv, T_max, D) of every session's keys and values, and records the layer's key mask."""
-        held = []
-        for row, layer in enumerate(self.rows):
-            keys, values = layer.update(key_states[row : row + 1], value_states[row : row + 1])  # (1, Hkv, T_i, D)
-            held.append((keys, values))
-        longest = max(k.shape[-2] for k, _ in held)
-        bsz, heads, _, dim = key_states.shape
-        keys = key_states.new_zeros(bsz, heads, longest, dim)  # (S, Hkv, T_max, D)
-        values = value_states.new_zeros(bsz, heads, longest, value_states.shape[-1])
-        mask = torch.zeros(bsz, 1, 1, longest, dtype=torch.bool, device=key_states.device)  # (S, 1, 1, T_max)
-        for row, (k, v) in enumerate(held):
-            keys[row, :, : k.shape[-2]] = k[0]
-            values[row, :, : v.shape[-2]] = v[0]
-            mask[row, ..., : k.shape[-2]] = True
-        self.masks[self.index] = mask
-        return keys, values
+        """``key_states``/``value_states`` (n, Hkv, 1, D): written in place at each slot's length; returns the
+        slots' keys and values (n, Hkv, T, D), T the longest slot (or the width when static), and records the
+        layer's key mask (n, 1, 1, T)."""
+        pool, n = self.pool, self.n
+        lengths = [s.lengths[self.index] for s in pool.slots]
+        device = key_states.device
+        rows = torch.arange(n, device=device)  # (n,)
+        at = torch.tensor(lengths, device=device)  # (n,) where each slot's new token goes
+        keys, values = pool.keys[self.index], pool.values[self.index]  # (S, Hkv, T_cap, D)
+        keys[rows, :, at] = key_states[:, :, 0]  # (n, Hkv, D)
+        values[rows, :, at] = value_states[:, :, 0]
+        span = pool.width if pool.static else max(lengths) + 1
+        self.masks[self.index] = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (n,1,1,T)
+        return keys[:n, :, :span], values[:n, :, :span]  # (n, Hkv, T, D) views
 
     def get_seq_length(self) -> int:
-        return max(layer.get_seq_length() for layer in self.rows)
+        return max(s.lengths[self.index] for s in self.pool.slots)
 
 
 class SlotCache(Cache):
-    """The sessions' caches as one batch, for one decode step."""
+    """The pool's active slots as one batched cache, for one decode step."""
 
-    def __init__(self, states: Sequence[KVState], masks: KeyMasks) -> None:
-        n_layers = len(states[0].cache.layers)
-        super().__init__(layers=[SlotLayer([s.cache.layers[i] for s in states], masks, i) for i in range(n_layers)])
+    def __init__(self, pool: SlotPool, n: int, masks: KeyMasks) -> None:
+        super().__init__(layers=[SlotLayer(pool, n, masks, i) for i in range(pool.num_layers)])
 
 
-@torch.inference_mode()
 def decode_step(runner, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:
-    """Feed ``tokens[i]`` to ``states[i]`` at its true position, all in one forward; returns the next-token logits
-    (S, V). Each state's cache and bookkeeping advance exactly as :meth:`ModelRunner.step` would advance them."""
+    """Feed ``tokens[i]`` to ``states[i]`` at its true position, all in one forward (a pool of their own slots);
+    returns the next-token logits (S, V). Each state's cache and bookkeeping advance exactly as
+    :meth:`ModelRunner.step` would advance them."""
     if len(states) != len(tokens) or not states:
         raise ValueError(f"{len(states)} states and {len(tokens)} tokens: give one token per state, at least one")
-    masks = KeyMasks()
-    device = runner.device
-    input_ids = torch.tensor([[int(t)] for t in tokens], device=device)  # (S, 1)
-    position_ids = torch.tensor([[s.next_position] for s in states], device=device)  # (S, 1) true positions
-    out = runner.model(input_ids=input_ids, position_ids=position_ids, cache=SlotCache(states, masks),
-                       use_cache=True, logits_to_keep=1, snapkv_keymask=masks)
-    for state, token in zip(states, tokens, strict=True):
-        state.append([int(token)], [False], runner.num_kv_heads, device)
-    return out.logits[:, -1]  # (S, V)
+    pool = SlotPool(runner.num_layers, len(states))
+    for state in states:
+        pool.admit(state, 1)
+    logits = pool.step(runner, tokens)  # (S, V)
+    for _ in states:
+        pool.release(0)  # the last slot moves into 0 each time: every state goes back
+    return logits

@@ -115,6 +115,51 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
+class Decoder:
+    """One reply being decoded: samples each next token and says when the reply ends (EOS, a stop string, the
+    length cap). A driver feeds every token that does not end the reply back to the model and hands the next
+    logits to :meth:`accept`: :meth:`ModelRunner.generate` one session at a time, the scheduler
+    (:mod:`snapkv_sessions.scheduler`) many in one forward. Both drive this one class, so a reply is the same
+    either way.
+
+    Parameters
+    ----------
+    gen : the decoding settings
+    eos : end-of-sequence ids (the model's, unless ``gen.eos_token_ids`` names others)
+    tokenizer : needed for stop strings only
+    device : where the sampler's generator lives (that of the logits)
+    """
+
+    def __init__(self, gen: GenerationConfig, eos: Iterable[int], tokenizer: Any, device: torch.device) -> None:
+        if gen.stop and tokenizer is None:
+            raise ConfigError("stop", gen.stop, "stop strings need the runner to have a tokenizer")
+        self.gen, self.tokenizer = gen, tokenizer
+        self.eos = set(gen.eos_token_ids if gen.eos_token_ids is not None else eos)
+        self.sample = Sampler(gen, device)
+        self.produced: list[int] = []  # the reply so far, end token excluded
+        self.last: int | None = None  # the latest sampled token
+        self.reason: str | None = None  # "eos", "stop" or "length" once the reply has ended
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def accept(self, logits: torch.Tensor) -> int | None:
+        """Sample from ``logits`` (V,); returns the token to show, or None for an end token. Once :attr:`done`,
+        the last sampled token is not fed to the model: it stays pending for the next turn's prefill."""
+        tok = self.last = self.sample(logits)
+        if tok in self.eos:
+            self.reason = "eos"
+            return None
+        self.produced.append(tok)
+        if self.gen.stop and any(s in self.tokenizer.decode(self.produced, skip_special_tokens=True)
+                                 for s in self.gen.stop):
+            self.reason = "stop"
+        elif len(self.produced) == self.gen.max_new_tokens:
+            self.reason = "length"
+        return tok
+
+
 def stream_text(tokenizer, token_ids: Iterable[int]) -> Iterator[str]:
     """Turn a token iterator into text pieces, never splitting a multi-byte character."""
     ids: list[int] = []

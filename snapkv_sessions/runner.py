@@ -21,7 +21,7 @@ from .attention import WindowProbe
 from .cache import CompactCache, set_layer
 from .config import CompressionConfig
 from .errors import ConfigError, UnsupportedModelError
-from .generation import GenerationConfig, Sampler
+from .generation import Decoder, GenerationConfig
 from .gpu import fused_gather
 from .press import layer_budgets
 from .report import CompressionReport
@@ -161,6 +161,9 @@ class ModelRunner:
         if cache not in ("compact", "dynamic"):
             raise ConfigError("cache", cache, "must be 'compact' or 'dynamic'")
         self.cache_kind = cache
+        # Set by a Scheduler (snapkv_sessions.scheduler) that serves many sessions on this model: every forward
+        # and compression then runs on its thread, and decode steps run batched with other sessions'.
+        self.scheduler = None
         # Called after each layer's selection with a Selection (the audit's --find reads the scores through it);
         # None in normal use, which then never computes anything for it.
         self.observer: Callable[[Selection], None] | None = None
@@ -215,9 +218,18 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- prefill / decode
 
+    def _serial(self, fn: Callable[[], object]):
+        """``fn()``, on the scheduler's thread between two decode steps when one is attached (the model and the
+        slots are touched by one thread only); here otherwise."""
+        return fn() if self.scheduler is None else self.scheduler.call(fn)
+
     def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None, *, whole: bool = False) -> torch.Tensor:
         """Feed ``ids`` at their true positions. ``whole``: a prefill of a tiered state, which attends to the whole
         history (hot and cold); decode reads the hot cache alone."""
+        return self._serial(lambda: self._forward_now(state, ids, probe, whole))
+
+    @torch.inference_mode()
+    def _forward_now(self, state: KVState, ids: list[int], probe: WindowProbe | None, whole: bool) -> torch.Tensor:
         start = state.next_position
         input_ids = torch.tensor([ids], device=self.device)  # (1, n)
         position_ids = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n) true positions
@@ -294,38 +306,24 @@ class ModelRunner:
 
         The end token (EOS) is not yielded. The last sampled token is left in ``state.pending`` (not yet in
         the cache): the next prefill feeds it first, so the transcript stays whole. ``state`` gets
-        ``last_stop_reason`` set to ``"eos"``, ``"stop"`` or ``"length"``.
+        ``last_stop_reason`` set to ``"eos"``, ``"stop"`` or ``"length"``. With a :attr:`scheduler` attached, the
+        steps run batched with other sessions' (the same tokens: one :class:`Decoder` logic either way).
         """
-        gen = gen or GenerationConfig()
-        eos = set(gen.eos_token_ids if gen.eos_token_ids is not None else self.eos_token_ids)
-        if gen.stop and self.tokenizer is None:
-            raise ConfigError("stop", gen.stop, "stop strings need the runner to have a tokenizer")
-        sample = Sampler(gen, first_logits.device)
+        decoder = Decoder(gen or GenerationConfig(), self.eos_token_ids, self.tokenizer, first_logits.device)
+        if self.scheduler is not None:
+            yield from self.scheduler.decode(state, first_logits, decoder)
+            return
         if isinstance(state.cache, CompactCache):
-            state.cache.reserve(gen.max_new_tokens)  # once: no decode step reallocates
-        logits, produced = first_logits, []
-        reason = "length"
-        for i in range(gen.max_new_tokens):
-            tok = sample(logits)
-            if tok in eos:
-                state.pending = [tok]
-                reason = "eos"
-                break
-            produced.append(tok)
-            yield tok
-            if gen.stop and self._hit_stop(produced, gen.stop):
-                state.pending = [tok]
-                reason = "stop"
-                break
-            if i == gen.max_new_tokens - 1:
-                state.pending = [tok]
+            state.cache.reserve(decoder.gen.max_new_tokens)  # once: no decode step reallocates
+        logits = first_logits
+        while True:
+            tok = decoder.accept(logits)
+            if tok is not None:
+                yield tok
+            if decoder.done:
                 break
             logits = self.step(state, tok)
-        state.last_stop_reason = reason
-
-    def _hit_stop(self, produced: list[int], stops: tuple[str, ...]) -> bool:
-        text = self.tokenizer.decode(produced, skip_special_tokens=True)
-        return any(s in text for s in stops)
+        state.pending, state.last_stop_reason = [decoder.last], decoder.reason
 
     # ---------------------------------------------------------------- compression
 
@@ -482,7 +480,7 @@ class ModelRunner:
                             decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
         if probe is not None:
             protect = self._protect_mask(state, plan, compression, probe.window)
-            result.report = self.compress(state, compression, probe, protect)
+            result.report = self._serial(lambda: self.compress(state, compression, probe, protect))
             result.protect_applied = protect is not None
             result.kept = list(state.positions)  # decode rebinds positions[l], so these stay as compressed
         if state.cold is not None:

@@ -1,0 +1,221 @@
+"""Scheduler: many sessions on one model, their decode steps batched, prefills in chunks between the steps.
+
+One thread owns the model. Each iteration of its loop
+
+1. samples the next token of every decoding session from its latest logits (each session its own
+   :class:`~snapkv_sessions.generation.Decoder`: its sampler and seed, its stop strings, its length cap),
+   hands the tokens to the sessions' threads, and frees the slots of the replies that ended;
+2. admits waiting replies into free slots (:class:`~snapkv_sessions.batch.SlotPool`) and runs ONE forward that
+   feeds every active session its token (each weight read once for all of them);
+3. runs one waiting call from a session thread: a prefill chunk (the runner's ``prefill_chunk`` bounds how long
+   it holds the others) or a compression, which touch that session's own cache only.
+
+While nothing decodes, waiting calls run back to back. A session's reply is the one it would get alone: rows do
+not interact, and every session samples with its own generator (``tests/test_scheduler.py``).
+
+Sessions talk to it through their runner (:attr:`ModelRunner.scheduler`): ``_forward`` and ``compress`` go
+through :meth:`Scheduler.call`, ``generate`` through :meth:`Scheduler.decode`; a session's code does not change.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from .batch import SlotPool
+from .generation import Decoder
+from .state import KVState
+
+_END = object()  # a reply's last item on its queue
+
+
+@dataclass
+class Decoding:
+    """One reply in the scheduler: its state, decoder, latest logits and the queue its tokens go out on."""
+
+    state: KVState
+    decoder: Decoder
+    logits: torch.Tensor  # (V,) the next token's
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    slot: bool = False  # holds a slot
+    leaving: threading.Event = field(default_factory=threading.Event)  # its reader went away
+    gone: threading.Event = field(default_factory=threading.Event)  # the scheduler no longer touches it
+
+
+@dataclass
+class SchedulerStats:
+    """What the loop did: steps, the sessions they carried, and the calls run between them."""
+
+    steps: int = 0
+    rows: int = 0  # sum over steps of the sessions each fed
+    largest: int = 0
+    calls: int = 0
+    step_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "mean_batch": round(self.rows / self.steps, 3) if self.steps else 0.0,
+                "largest_batch": self.largest, "calls": self.calls, "step_s": round(self.step_s, 3)}
+
+
+class Scheduler:
+    """Serves every session of ``runner`` from one thread; attaches itself to the runner.
+
+    Parameters
+    ----------
+    runner : the :class:`~snapkv_sessions.runner.ModelRunner`; its sessions' forwards all come here
+    slots : the most sessions decoding in one step; more wait for a free slot
+    static : fixed step shapes (see :class:`~snapkv_sessions.batch.SlotPool`)
+    """
+
+    def __init__(self, runner, slots: int = 8, static: bool = False) -> None:
+        if runner.scheduler is not None:
+            raise ValueError("this runner already has a scheduler")
+        self.runner = runner
+        self.pool = SlotPool(runner.num_layers, slots, static)
+        self.stats = SchedulerStats()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+        self._joining: deque[Decoding] = deque()
+        self._active: list[Decoding] = []  # sampling order: joined first, first served
+        self._wake = threading.Condition()
+        self._closing = False
+        self.thread = threading.Thread(target=self._loop, name="snapkv-scheduler", daemon=True)
+        runner.scheduler = self
+        self.thread.start()
+
+    # ------------------------------------------------------------------ the sessions' side
+
+    def call(self, fn: Callable[[], object]):
+        """Run ``fn()`` on the scheduler's thread between two decode steps; returns its result or raises its
+        error. Called from the scheduler's own thread, it runs at once."""
+        if threading.current_thread() is self.thread:
+            return fn()
+        future: Future = Future()
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the scheduler is closed")
+            self._calls.append((fn, future))
+            self._wake.notify()
+        return future.result()
+
+    def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:
+        """The reply's tokens as the scheduler samples them (the end token excluded). When it ends, ``state``
+        holds every fed token, its last token pending and ``last_stop_reason`` set, as
+        :meth:`ModelRunner.generate` leaves it. Closing the iterator early takes the reply out of the batch."""
+        item = Decoding(state, decoder, first_logits)
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the scheduler is closed")
+            self._joining.append(item)
+            self._wake.notify()
+        finished = False
+        try:
+            while (tok := item.out.get()) is not _END:
+                if isinstance(tok, BaseException):
+                    raise tok
+                yield tok
+            finished = True
+        finally:
+            if not finished:  # the reader left: wait until the loop has let go of the state
+                item.leaving.set()
+                with self._wake:
+                    self._wake.notify()
+                item.gone.wait()
+
+    def close(self, wait_s: float = 30.0) -> None:
+        """Stop the loop after the work in hand; the runner runs its sessions alone again."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self.thread.join(timeout=wait_s)
+        if self.runner.scheduler is self:
+            self.runner.scheduler = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not (self._calls or self._joining or self._active or self._closing):
+                        self._wake.wait()
+                    if self._closing and not (self._calls or self._joining or self._active):
+                        return
+                    self._active.extend(self._joining)
+                    self._joining.clear()
+                    call = self._calls.popleft() if self._calls else None
+                try:
+                    self._sample()
+                    self._step()
+                except BaseException as exc:  # noqa: BLE001 - every decoding reply is told, none hangs
+                    self._fail_all(exc)
+                if call is not None:
+                    self._run_call(*call)
+
+    def _run_call(self, fn: Callable[[], object], future: Future) -> None:
+        self.stats.calls += 1
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised in the calling session's thread
+            future.set_exception(exc)
+
+    def _sample(self) -> None:
+        """Each active reply samples its next token; an ended or abandoned one leaves its slot."""
+        for item in list(self._active):
+            if item.leaving.is_set():
+                self._leave(item)
+                continue
+            if item.logits is None:  # waiting for a slot: its token was sampled already
+                continue
+            tok = item.decoder.accept(item.logits)
+            item.logits = None
+            if tok is not None:
+                item.out.put(tok)
+            if item.decoder.done:
+                self._leave(item)
+                item.state.pending, item.state.last_stop_reason = [item.decoder.last], item.decoder.reason
+                item.out.put(_END)
+
+    def _step(self) -> None:
+        """Admit replies into free slots, then feed every slotted reply its token in one forward."""
+        for item in self._active:
+            if not item.slot and self.pool.free:
+                self.pool.admit(item.state, item.decoder.gen.max_new_tokens)
+                item.slot = True
+        ready = [item for item in self._active if item.slot]
+        if not ready:
+            return
+        by_slot = {id(s.state): i for i, s in enumerate(self.pool.slots)}
+        ready.sort(key=lambda item: by_slot[id(item.state)])
+        t0 = time.perf_counter()
+        logits = self.pool.step(self.runner, [item.decoder.last for item in ready])  # (n, V)
+        self.stats.step_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.rows += len(ready)
+        self.stats.largest = max(self.stats.largest, len(ready))
+        for item, row in zip(ready, logits, strict=True):
+            item.logits = row  # (V,)
+
+    def _leave(self, item: Decoding) -> None:
+        """Take ``item`` out of the batch, its slot copied back into its state."""
+        if item.slot:
+            index = next(i for i, s in enumerate(self.pool.slots) if s.state is item.state)
+            self.pool.release(index)
+            item.slot = False
+        self._active.remove(item)
+        item.gone.set()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for item in list(self._active):
+            try:
+                self._leave(item)
+            except Exception:  # noqa: BLE001 - the slot's copy failed too; the session resets on the error
+                self._active.remove(item)
+                item.gone.set()
+            item.out.put(exc)

@@ -1,0 +1,194 @@
+"""The scheduler (issue 17): sessions decoded together, in one forward per step, with prefills and compressions
+between the steps, each get the reply they get alone, token for token."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import build_tiny
+
+from snapkv_sessions import Session
+from snapkv_sessions.config import CompressionConfig
+from snapkv_sessions.generation import GenerationConfig
+from snapkv_sessions.runner import ModelRunner
+from snapkv_sessions.scheduler import Scheduler
+from snapkv_sessions.store import SessionStore
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
+
+
+# (prompt lengths per turn, budget, generation): different lengths, budgets, greedy and seeded sampling
+ENGINE_CASES = [
+    ([17, 9], None, GenerationConfig(max_new_tokens=7, eos_token_ids=())),
+    ([60, 30], 40, GenerationConfig(max_new_tokens=12, eos_token_ids=())),
+    ([45, 5, 22], 24, GenerationConfig(max_new_tokens=9, temperature=0.9, top_k=20, seed=5, eos_token_ids=())),
+    ([33, 40], 32, GenerationConfig(max_new_tokens=15, temperature=1.2, top_p=0.8, seed=11, eos_token_ids=(7,))),
+    ([80], 48, GenerationConfig(max_new_tokens=3, eos_token_ids=())),
+]
+
+
+def _converse(runner: ModelRunner, case, seed: int, tiered: bool) -> tuple[list[list[int]], object]:
+    lengths, budget, gen = case
+    state = runner.new_state(tiered=tiered)
+    comp = CompressionConfig.make(budget=budget, window=4) if budget else None
+    replies = [runner.turn(state, ids, comp, gen).tokens for ids in _prompts(seed, lengths)]
+    return replies, state
+
+
+def _together(runner: ModelRunner, cases, tiered: bool) -> list:
+    results: list = [None] * len(cases)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = _converse(runner, cases[i], i, tiered)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize(("kind", "tiered", "slots"), [("llama", False, 8), ("qwen2", False, 2), ("llama", True, 3)])
+def test_sessions_decoded_together_equal_each_alone(kind, tiered, slots):
+    model = build_tiny(kind, layers=3)
+    alone = [_converse(ModelRunner(model), case, i, tiered) for i, case in enumerate(ENGINE_CASES)]
+    runner = ModelRunner(model)
+    scheduler = Scheduler(runner, slots=slots)
+    try:
+        together = _together(runner, ENGINE_CASES, tiered)
+    finally:
+        scheduler.close()
+    assert runner.scheduler is None
+    for (replies_a, state_a), (replies_b, state_b) in zip(alone, together, strict=True):
+        assert replies_a == replies_b  # token for token, every turn
+        assert state_a.token_ids == state_b.token_ids and state_a.pending == state_b.pending
+        assert all(torch.equal(p, q) for p, q in zip(state_a.positions, state_b.positions, strict=True))  # kept sets
+        for la, lb in zip(state_a.cache.layers, state_b.cache.layers, strict=True):
+            torch.testing.assert_close(la.keys, lb.keys, rtol=1e-4, atol=1e-5)
+    stats = scheduler.stats.to_dict()
+    assert 1 < stats["largest_batch"] <= slots
+    assert stats["steps"] < sum(len(r) for rs, _ in alone for r in rs)  # steps were shared
+
+
+def test_a_reader_that_leaves_frees_its_slot_and_the_others_go_on():
+    model = build_tiny("llama", layers=2)
+    runner = ModelRunner(model)
+    gen = GenerationConfig(max_new_tokens=40, eos_token_ids=())
+    reference = ModelRunner(model).turn(runner.new_state(), list(range(5, 30)), None, gen).tokens
+    scheduler = Scheduler(runner, slots=2)
+    try:
+        state = runner.new_state()
+        run = runner.run(state, _plan(state, list(range(5, 30))), None, gen)
+        tokens = iter(run)
+        first = [next(tokens) for _ in range(3)]
+        tokens.close()  # leaves mid-reply
+        assert not scheduler.pool.slots and first == reference[:3]
+        again = runner.turn(runner.new_state(), list(range(5, 30)), None, gen).tokens
+        assert again == reference
+    finally:
+        scheduler.close()
+
+
+def _plan(state, ids):
+    from snapkv_sessions.transcript import TurnPlan
+
+    return TurnPlan(tokens=tuple(ids), first_position=state.next_position, pinned=(), window=None)
+
+
+def test_a_failing_step_reaches_every_reader_and_the_scheduler_goes_on():
+    model = build_tiny("llama", layers=2)
+    runner = ModelRunner(model)
+    scheduler = Scheduler(runner, slots=4)
+    gen = GenerationConfig(max_new_tokens=5, eos_token_ids=())
+    try:
+        real = scheduler.pool.step
+        scheduler.pool.step = lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))
+        with pytest.raises(RuntimeError, match="device lost"):
+            runner.turn(runner.new_state(), [5, 6, 7, 8], None, gen)
+        assert not scheduler.pool.slots
+        scheduler.pool.step = real
+        assert len(runner.turn(runner.new_state(), [5, 6, 7, 8], None, gen).tokens) == 5
+    finally:
+        scheduler.close()
+
+
+def test_one_scheduler_per_runner_and_a_closed_one_refuses_work():
+    runner = ModelRunner(build_tiny("llama", layers=2))
+    scheduler = Scheduler(runner, slots=1)
+    with pytest.raises(ValueError, match="already has a scheduler"):
+        Scheduler(runner)
+    scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        scheduler.call(lambda: 1)
+
+
+# ---------------------------------------------------------------------- sessions on SmolLM2
+
+POLICIES = {
+    "tiered-64": {"compression": {"budget": 64, "window": 8}},
+    "snapkv-96": {"compression": {"budget": 96, "window": 8}, "memory": {"cold": False}},
+    "full": {"compression": {"budget": 4096, "window": 8}, "memory": {"cold": False}},  # covers everything
+    # drift flags every turn: a re-prefill from the store on turns 2 and 3, while the others decode
+    "reprefill": {"compression": {"budget": 64, "window": 8}, "memory": {"cold": False},
+                  "drift": {"embedder": "minilm", "threshold": 0.0, "action": "reprefill", "follow_ups": False},
+                  "recovery": {"min_turns_between": 0}},
+}
+GENERATION = {
+    "tiered-64": {"max_new_tokens": 14},
+    "snapkv-96": {"max_new_tokens": 16, "temperature": 0.8, "top_k": 40, "seed": 3},
+    "full": {"max_new_tokens": 12, "stop": ["."]},
+    "reprefill": {"max_new_tokens": 10, "temperature": 0.7, "top_p": 0.9, "seed": 8},
+}
+TURNS = ["The moon has phases: new moon, waxing crescent, first quarter, waxing gibbous, full moon, waning gibbous, "
+         "last quarter and waning crescent. Tell me about the moon and its phases in detail.",
+         "What did I ask about?", "Name a planet with rings."]
+
+
+def _session_replies(smollm2, runner_model, name: str, store: SessionStore) -> tuple[list[list[int]], list[str]]:
+    session = Session.create(runner_model, policy=POLICIES[name], store=store, system="You are brief.")
+    replies = [session.chat(text, **GENERATION[name]) for text in TURNS]
+    decisions = [r.get("drift_decision") for r in store.turns(session.id, status="done")]
+    return [r.token_ids for r in replies], decisions
+
+
+def test_sessions_with_different_policies_and_sampling_decoded_together(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    alone_runner = ModelRunner(model, tokenizer)
+    store = SessionStore(f"sqlite:///{tmp_path}/alone.db")
+    alone = {name: _session_replies(smollm2, alone_runner, name, store) for name in POLICIES}
+    assert alone["reprefill"][1][1:] == ["reprefill", "reprefill"]
+
+    runner = ModelRunner(model, tokenizer)
+    scheduler = Scheduler(runner, slots=4)
+    shared = SessionStore(f"sqlite:///{tmp_path}/together.db")
+    together: dict = {}
+    errors: list[BaseException] = []
+
+    def work(name: str) -> None:
+        try:
+            together[name] = _session_replies(smollm2, runner, name, shared)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in POLICIES]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        scheduler.close()
+    assert not errors, errors
+    assert together == alone  # every reply token for token, and the same re-prefills
+    assert scheduler.stats.largest > 1
