@@ -278,6 +278,10 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
 @click.option("--clients", default="1,2,4,8", show_default=True, help="Concurrent clients, one level per value.")
 @click.option("--turns", default=3, show_default=True, help="Turns per client (each a streamed request).")
 @click.option("--max-tokens", default=32, show_default=True, help="Reply cap per turn.")
+@click.option("--batch", "batches", default="0,8", show_default=True,
+              help="Servers to compare, one per value: decode slots (0: one turn at a time).")
+@click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
+@click.option("--packed-weights", is_flag=True, help="Every server packs its linear weights (serve --packed-weights).")
 @click.option("--max-queue", default=16, show_default=True, help="The server's queue length.")
 @click.option("--policy", default=None, help="Policy for the server's sessions (name or YAML path).")
 @click.option("--base-url", default=None, help="A running server (default: start one on a free loopback port).")
@@ -285,14 +289,27 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_serve(model, clients, turns, max_tokens, max_queue, policy, base_url, api_key, out, as_json) -> None:
-    """N concurrent multi-turn clients against the server: tokens/s, TTFT and TPOT p50/p95, 429s, errors."""
+def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weights, max_queue, policy, base_url,
+                api_key, out, as_json) -> None:
+    """N concurrent multi-turn clients against the server, batched and not: tokens/s (and the ratio), TTFT and
+    TPOT p50/p95, 429s, errors."""
     from .bench import serve as serve_bench
 
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    levels = [int(x) for x in clients.split(",") if x.strip()]
-    result = serve_bench.run(model, levels, turns, max_tokens, base_url, api_key, max_queue, policy, log=log)
+    spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
+                                  tuple(_int_list("batch", batches)), max_queue, policy, budget, packed_weights)
+    result = serve_bench.run(spec, base_url, api_key, log=log)
     _emit(result, out, as_json, serve_bench.table, bulky="turns")
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text[:80]!r}: give integers separated by commas", param_hint=f"--{name}") from None
+    if not values or any(v < 0 for v in values):
+        raise click.BadParameter(f"{text[:80]!r}: give non-negative integers", param_hint=f"--{name}")
+    return values
 
 
 @main.group()
@@ -568,9 +585,13 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--max-tokens", default=256, show_default=True, help="Reply cap when a request gives none.")
 @click.option("--max-live", default=16, show_default=True, help="Sessions kept in memory (others rebuilt from the store).")
 @click.option("--max-body-mb", default=8.0, show_default=True, help="Largest request body accepted (413 past it).")
+@click.option("--batch", default=8, show_default=True,
+              help="Decode slots: turns decoded together in one forward per step (0: one turn at a time).")
+@click.option("--packed-weights", is_flag=True,
+              help="CPU, fp32: run linear layers on weights packed once (faster batched steps; equal to rounding).")
 @clean_errors
 def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
-          max_live, max_body_mb) -> None:
+          max_live, max_body_mb, batch, packed_weights) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     keys = _api_keys(api_keys, api_key_file)
     if not keys and host not in LOOPBACK:
@@ -579,13 +600,14 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
     try:
         import uvicorn
 
-        from .serve import ServeOptions, Service, create_app
+        from .serve import Capacity, ServeOptions, Service, create_app
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
     from .store import SessionStore
 
     quiet_loaders()
-    service = Service(model, policy, SessionStore(db, redis_url=redis_url), max_live=max_live, max_tokens=max_tokens)
+    capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights)
+    service = Service(model, policy, SessionStore(db, redis_url=redis_url), capacity)
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
                                            max_body_bytes=int(max_body_mb * (1 << 20))))
     click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)

@@ -11,7 +11,9 @@ from conftest import build_tiny
 
 from snapkv_sessions import Session
 from snapkv_sessions.config import CompressionConfig
+from snapkv_sessions.errors import ConfigError
 from snapkv_sessions.generation import GenerationConfig
+from snapkv_sessions.packed import is_packed, pack_linears, unpack_linears
 from snapkv_sessions.runner import ModelRunner
 from snapkv_sessions.scheduler import Scheduler
 from snapkv_sessions.store import SessionStore
@@ -59,9 +61,13 @@ def _together(runner: ModelRunner, cases, tiered: bool) -> list:
     return results
 
 
-@pytest.mark.parametrize(("kind", "tiered", "slots"), [("llama", False, 8), ("qwen2", False, 2), ("llama", True, 3)])
-def test_sessions_decoded_together_equal_each_alone(kind, tiered, slots):
+@pytest.mark.parametrize(("kind", "tiered", "slots", "packed"),
+                         [("llama", False, 8, False), ("qwen2", False, 2, False), ("llama", True, 3, False),
+                          ("qwen2", True, 4, True)])
+def test_sessions_decoded_together_equal_each_alone(kind, tiered, slots, packed):
     model = build_tiny(kind, layers=3)
+    if packed:  # both conditions run on the packed weights
+        pack_linears(model)
     alone = [_converse(ModelRunner(model), case, i, tiered) for i, case in enumerate(ENGINE_CASES)]
     runner = ModelRunner(model)
     scheduler = Scheduler(runner, slots=slots)
@@ -131,6 +137,21 @@ def test_one_scheduler_per_runner_and_a_closed_one_refuses_work():
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.call(lambda: 1)
+
+
+def test_packed_linears_equal_the_default_to_rounding_and_unpack_exactly():
+    model = build_tiny("llama", layers=2)
+    ids = torch.arange(3, 40)[None]  # (1, 37)
+    with torch.inference_mode():
+        plain = model(input_ids=ids).logits  # (1, 37, V)
+        assert pack_linears(model) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert pack_linears(model) == 0 and is_packed(model)  # idempotent
+        packed = model(input_ids=ids).logits
+        torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
+        unpack_linears(model)
+        assert not is_packed(model) and torch.equal(model(input_ids=ids).logits, plain)
+    with pytest.raises(ConfigError, match="packed_weights.*fp32"):
+        pack_linears(build_tiny("llama", layers=2).to(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------- sessions on SmolLM2

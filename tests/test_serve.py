@@ -31,6 +31,7 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 class Server:
     def __init__(self, tmp: Path, *args: str) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         self.db = tmp / "sessions.db"
         policy = tmp / "policy.json"
         policy.write_text(json.dumps(POLICY))
@@ -274,7 +275,7 @@ def test_backpressure_and_graceful_shutdown(tmp_path):
 
     if not bundle_available(MODEL):
         pytest.skip(f"bundle {MODEL} not installed")
-    srv = Server(tmp_path, "--api-key", KEY_A, "--max-queue", "1")
+    srv = Server(tmp_path, "--api-key", KEY_A, "--max-queue", "1", "--batch", "1")  # one turn runs at a time
     streaming, results = threading.Event(), {}
 
     def stream():
@@ -337,6 +338,59 @@ def test_a_request_past_its_deadline_gets_504_and_abandons_its_turn(tmp_path):
     assert sorted(turns) == [["abandoned"], ["done"]]  # a session of abandoned turns alone continues nothing
 
 
+def _conversations(srv: Server, clients: int, turns: list[str]) -> dict[int, list[str]]:
+    """``clients`` concurrent clients, each a multi-turn conversation sent whole every turn (greedy); their
+    replies, by client."""
+    replies: dict[int, list[str]] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            messages = [{"role": "system", "content": f"You are assistant {i}. Be brief."}]
+            for question in turns:
+                messages.append({"role": "user", "content": question})
+                res = srv.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=10 + 3 * i,
+                                                           stop=["\n\n"] if i % 2 else None)
+                text = res.choices[0].message.content
+                replies.setdefault(i, []).append(text)
+                messages.append({"role": "assistant", "content": text})
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return replies
+
+
+def test_batched_server_replies_equal_the_unbatched_server(tmp_path):
+    """Four clients at once, three turns each, different reply caps and stops: the batched server's replies equal
+    the one-at-a-time server's, and its sessions replay clean."""
+    from snapkv_sessions.store import SessionStore
+
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    turns = ["Name three rivers in Europe.", "Which of them is the longest?", "Say one thing about it."]
+    replies = {}
+    for batch in ("0", "4"):
+        srv = Server(tmp_path / f"batch{batch}", "--api-key", KEY_A, "--batch", batch)
+        try:
+            replies[batch] = _conversations(srv, 4, turns)
+            if batch == "4":
+                sessions = srv.get("/sessions").json()["data"]
+                assert len(sessions) == 4 and all(s["turns"] == 3 for s in sessions)
+                for s in sessions:
+                    assert srv.post(f"/sessions/{s['id']}/verify").json()["ok"] is True
+        finally:
+            srv.stop()
+        store = SessionStore(f"sqlite:///{srv.db}")
+        assert all(store.pending_turn(r["id"]) is None for r in store.list_sessions())
+    assert replies["4"] == replies["0"]
+
+
 def test_bench_serve_small_run():
     from click.testing import CliRunner
 
@@ -345,10 +399,12 @@ def test_bench_serve_small_run():
     if not bundle_available(MODEL):
         pytest.skip(f"bundle {MODEL} not installed")
     res = CliRunner().invoke(main, ["bench", "serve", "--model", MODEL, "--clients", "1,2", "--turns", "2",
-                                    "--max-tokens", "4", "--json"])
+                                    "--max-tokens", "4", "--batch", "0,2", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert [r["clients"] for r in out["levels"]] == [1, 2] and [r["turns"] for r in out["levels"]] == [2, 4]
+    assert [(r["batch"], r["clients"]) for r in out["levels"]] == [(0, 1), (0, 2), (2, 1), (2, 2)]
+    assert [r["turns"] for r in out["levels"]] == [2, 4, 2, 4]
+    assert [r["speedup"] for r in out["levels"][:2]] == [1.0, 1.0] and all(r["speedup"] for r in out["levels"])
     assert all(r["errors"] == 0 and r["status_429"] == 0 and r["completion_tokens"] > 0 for r in out["levels"])
     assert all(r["ttft_ms_p50"] > 0 and r["tokens_per_s"] > 0 for r in out["levels"])
     # every client's second turn continued its session: it prefilled fewer tokens than its first

@@ -109,10 +109,13 @@ def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
     session = Session.create(runner, policy=policy, store=store, system=SYSTEM)
     for msg in item["setup"]:
         store.add_message(session.id, msg["role"], msg["content"], msg.get("name"))
-    reply, reprefills = None, 0
+    reply, reprefills, resident, cold = None, 0, 0, 0
     for question, _ in item["turns"]:
         reply = session.chat(question, max_new_tokens=max_new_tokens)
         reprefills += any(kind == "reprefill" for kind, _ in reply.events)  # the cache rebuilt from the store
+        # what the session holds in KV memory between turns (hot), and in the host tier
+        resident = max(resident, session.state.kv_bytes())
+        cold = max(cold, session.state.cold.nbytes if session.state.cold is not None else 0)
     expect = item["turns"][-1][1]  # the last turn is the one scored
     score = None
     if item["task"] == "rule":
@@ -124,7 +127,7 @@ def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
         ok = is_correct(reply.text, expect)
     return {"task": item["task"], "split": item["split"], "correct": ok, "copy_score": score,
             "degenerate": is_degenerate(reply.token_ids, reply.stop_reason), "reply": reply.text.strip()[:200],
-            "tokens": list(reply.token_ids), "reprefills": reprefills}
+            "tokens": list(reply.token_ids), "reprefills": reprefills, "kv_bytes": resident, "cold_bytes": cold}
 
 
 
@@ -146,9 +149,19 @@ def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, 
                            "copy_score_mean": round(sum(copies) / len(copies), 3) if copies else None,
                            "degenerate_rate": round(sum(r["degenerate"] for r in rs) / len(rs), 3),
                            "reprefills": sum(r["reprefills"] for r in rs),
-                           "agreement_with_every_turn": agreement(rs, rows["every"])}
+                           "agreement_with_every_turn": agreement(rs, rows["every"]),
+                           "agreement_with_full": agreement(rs, rows["full"]), **_density(rs)}
     return {"benchmark": "quality", "budget_ratio": ratio, "window": window, "items": len(rows["full"]),
             "summary": summary, "minutes": round((time.perf_counter() - t0) / 60, 1), "rows": rows}
+
+
+def _density(rows: list[dict]) -> dict:
+    """KV memory per session (the most it held between turns, mean over items) and the sessions one GiB of KV
+    memory holds at that size; the host tier's bytes beside it."""
+    mean = sum(r["kv_bytes"] for r in rows) / len(rows)
+    cold = sum(r["cold_bytes"] for r in rows) / len(rows)
+    return {"kv_mib_per_session": round(mean / 2**20, 3), "sessions_per_gib": round(2**30 / mean, 1) if mean else None,
+            "cold_mib_per_session": round(cold / 2**20, 3)}
 
 
 def knee_item_ids(tok, document: str, question: str) -> list[int]:
@@ -190,6 +203,9 @@ def quality_table(result: dict) -> str:
     lines.append(f"{'= every turn':<22}" + "".join(
         f"{result['summary'][m].get('agreement_with_every_turn', 0):>11.2f}" for m in methods))
     lines.append(f"{'re-prefills':<22}" + "".join(f"{result['summary'][m].get('reprefills', 0):>11}" for m in methods))
+    for key, label in (("agreement_with_full", "= full cache"), ("kv_mib_per_session", "KV MiB/session"),
+                       ("sessions_per_gib", "sessions/GiB KV")):
+        lines.append(f"{label:<22}" + "".join(f"{result['summary'][m].get(key)!s:>11}" for m in methods))
     return "\n".join(lines)
 
 

@@ -140,35 +140,73 @@ def _pct(values: list[float], q: int) -> float | None:
     return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 1)
 
 
-def run(model: str, levels: list[int], turns: int, max_tokens: int, base_url: str | None = None,
-        key: str | None = None, max_queue: int = 16, policy: str | None = None, log=print) -> dict:
+@dataclass
+class ServeBench:
+    """What ``bench serve`` runs: the model, the concurrency levels, the turns, and the servers to compare."""
+
+    model: str
+    levels: list[int]
+    turns: int = 3
+    max_tokens: int = 32
+    batches: tuple[int, ...] = (0, 8)  # one server per value: 0 decodes one turn at a time
+    max_queue: int = 16
+    policy: str | None = None  # a policy name or YAML path; None: ``budget``
+    budget: int = 512
+    packed_weights: bool = False  # every server packs its linear weights (snapkv_sessions.packed)
+
+
+def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, log=print) -> dict:
+    """Every level against a server started per ``bench.batches`` value (or against ``base_url``), side by side
+    in one run; each row says its batch setting, and ``speedup`` is its tokens/s over the unbatched row's."""
+    rows, per_turn = [], {}
+    for batch in ([None] if base_url else bench.batches):
+        got, turns = _one_server(bench, batch, base_url, key, log)
+        rows += got
+        per_turn.update(turns)
+    serial = {r["clients"]: r["tokens_per_s"] for r in rows if r["batch"] == 0}
+    for r in rows:
+        base = serial.get(r["clients"])
+        r["speedup"] = round(r["tokens_per_s"] / base, 2) if base and r["tokens_per_s"] else None
+    return {"benchmark": "serve", "model": bench.model, "turns_per_client": bench.turns, "max_tokens": bench.max_tokens,
+            "max_queue": bench.max_queue, "policy": bench.policy or {"compression": {"budget": bench.budget}},
+            "packed_weights": bench.packed_weights,
+            "levels": rows, "turns": per_turn}
+
+
+def _one_server(bench: ServeBench, batch: int | None, base_url: str | None, key: str | None,
+                log) -> tuple[list[dict], dict]:
     proc, folder = None, Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
     url = base_url
     if url is None:
-        proc, url = start_server(model, folder, "--max-queue", str(max_queue), *(["--policy", policy] if policy else []))
+        policy = bench.policy
+        if policy is None:
+            policy = str(folder / "policy.json")
+            Path(policy).write_text(json.dumps({"compression": {"budget": bench.budget, "window": 16}}))
+        proc, url = start_server(bench.model, folder, "--max-queue", str(bench.max_queue), "--policy", policy,
+                                 "--batch", str(batch), *(["--packed-weights"] if bench.packed_weights else []))
+    rows, per_turn = [], {}
     try:
-        stream_turn(url, model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
-        rows, per_turn = [], {}
-        for n in levels:
-            row = run_clients(url, model, n, turns, max_tokens, key)
-            per_turn[str(n)] = row.pop("per_turn")
-            log(f"N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
-                f"TPOT p50 {row['tpot_ms_p50']} ms, 429s {row['status_429']}, errors {row['errors']}")
+        stream_turn(url, bench.model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
+        for n in bench.levels:
+            row = {"batch": batch, **run_clients(url, bench.model, n, bench.turns, bench.max_tokens, key)}
+            per_turn[f"batch={batch},N={n}"] = row.pop("per_turn")
+            log(f"batch={batch} N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
+                f"TPOT p50/p95 {row['tpot_ms_p50']}/{row['tpot_ms_p95']} ms, 429s {row['status_429']}, "
+                f"errors {row['errors']}")
             rows.append(row)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    return {"benchmark": "serve", "model": model, "turns_per_client": turns, "max_tokens": max_tokens,
-            "max_queue": max_queue, "levels": rows, "turns": per_turn}
+    return rows, per_turn
 
 
 def table(result: dict) -> str:
-    head = (f"{'N':>3} {'turns':>5} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} "
-            f"{'429':>4} {'errors':>6}")
+    head = (f"{'batch':>5} {'N':>3} {'turns':>5} {'tok/s':>7} {'x':>5} {'TTFT p50':>9} {'TTFT p95':>9} "
+            f"{'TPOT p50':>9} {'TPOT p95':>9} {'429':>4} {'errors':>6}")
     lines = [head, "-" * len(head)]
     for r in result["levels"]:
-        lines.append(f"{r['clients']:>3} {r['turns']:>5} {r['tokens_per_s']!s:>7} {r['ttft_ms_p50']!s:>9} "
-                     f"{r['ttft_ms_p95']!s:>9} {r['tpot_ms_p50']!s:>9} {r['tpot_ms_p95']!s:>9} "
-                     f"{r['status_429']:>4} {r['errors']:>6}")
+        lines.append(f"{r['batch']!s:>5} {r['clients']:>3} {r['turns']:>5} {r['tokens_per_s']!s:>7} "
+                     f"{r['speedup']!s:>5} {r['ttft_ms_p50']!s:>9} {r['ttft_ms_p95']!s:>9} {r['tpot_ms_p50']!s:>9} "
+                     f"{r['tpot_ms_p95']!s:>9} {r['status_429']:>4} {r['errors']:>6}")
     return "\n".join(lines)

@@ -13,6 +13,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"snapkv_sessions.serve needs {exc.name!r}: pip install 'snapkv-sessions[serve]'") from exc
 
 from .app import ServeOptions, create_app
-from .service import Service, owner_of
+from .service import Capacity, Service, owner_of
 
-__all__ = ["ServeOptions", "Service", "create_app", "owner_of"]
+__all__ = ["Capacity", "ServeOptions", "Service", "create_app", "owner_of"]

@@ -79,9 +79,10 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         nonlocal worker
-        worker = Worker(options.max_queue)
+        worker = Worker(options.max_queue, threads=service.threads)
         yield
-        await asyncio.to_thread(worker.close)  # the running turn finishes; waiting ones are refused
+        await asyncio.to_thread(worker.close)  # the running turns finish; waiting ones are refused
+        await asyncio.to_thread(service.close)
 
     app = FastAPI(title="snapkv-sessions", lifespan=lifespan)
     app.state.service = service

@@ -16,11 +16,13 @@ them (a digest of it is stored); another key's sessions do not exist for a calle
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from ..chat import Message
@@ -37,6 +39,7 @@ from ..tierpool import POOL
 from . import protocol
 from .worker import DeadlineExceeded, Job
 
+BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
 SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -50,6 +53,35 @@ def _release(session: Session) -> None:
     """Give a session's cold tier back to the pool (and remove its spill file) when the server lets it go."""
     if session.state is not None and session.state.cold is not None:
         POOL.release(session.state.cold)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one server process holds and runs.
+
+    max_live: sessions kept in memory (others are rebuilt from the store when used); max_tokens: the reply cap of a
+    request that names none; batch: decode slots, the turns decoded together (0: one turn at a time);
+    packed_weights: run the model's linear layers on weights packed once (:mod:`snapkv_sessions.packed`).
+    """
+
+    max_live: int = 16
+    max_tokens: int = 256
+    batch: int = 0
+    packed_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name, least in (("max_live", 1), ("max_tokens", 1), ("batch", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(name, value, f"must be an int >= {least}")
+
+
+@dataclass
+class _Claim:
+    """Who runs a session's turns now: its lock, and the requests holding or waiting for it."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
 
 
 class NotFound(LookupError):
@@ -93,17 +125,43 @@ class TurnOutput:
 class Service:
     """The model, the policy, the store and the live sessions of one server process.
 
-    Every method that touches the model runs on the worker thread (see :mod:`.worker`); the live sessions are
-    kept in a small LRU (``max_live``), and a session that left it is rebuilt exactly from the store when next used.
+    The live sessions are kept in a small LRU (``max_live``); a session that left it is rebuilt exactly from the
+    store when next used. With ``batch`` (decode slots) a :class:`~snapkv_sessions.scheduler.Scheduler` runs every
+    forward and batches the decode steps of the turns running at once, one turn per worker thread
+    (:attr:`threads`); a session runs one turn at a time (:meth:`_claim`), and a busy session is never evicted.
+    Without it, one worker thread runs every turn in order.
     """
 
-    def __init__(self, model, policy: str | dict | Policy | None, store: SessionStore, max_live: int = 16,
-                 max_tokens: int = 256) -> None:
+    def __init__(self, model, policy: str | dict | Policy | None, store: SessionStore,
+                 capacity: Capacity | None = None) -> None:
+        capacity = capacity or Capacity()
         self.runner, self.model_id = runner_for(model)
         self.policy = Policy.load(policy).stated()
         self.store = store
-        self.max_live, self.max_tokens = max_live, max_tokens
+        self.max_live, self.max_tokens = capacity.max_live, capacity.max_tokens
         self.live: OrderedDict[str, Session] = OrderedDict()
+        self._guard = threading.Lock()  # the live LRU and the claims
+        self._claims: dict[str, _Claim] = {}
+        if capacity.packed_weights:
+            from ..packed import pack_linears
+
+            pack_linears(self.runner.model, rows=max(capacity.batch, 1))
+        self.scheduler = None
+        if capacity.batch:
+            from ..scheduler import Scheduler
+
+            # a long prefill runs in chunks between decode steps: this bounds how long it holds the others
+            self.runner.prefill_chunk = min(self.runner.prefill_chunk, BATCH_PREFILL_CHUNK)
+            self.scheduler = Scheduler(self.runner, slots=capacity.batch)
+
+    @property
+    def threads(self) -> int:
+        """Worker threads the server should run: one per decode slot when batching, else one."""
+        return self.scheduler.pool.size if self.scheduler is not None else 1
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -139,7 +197,12 @@ class Service:
         told to (the client left, or the deadline passed); then returns None."""
         if job.should_stop():  # the client left while the request waited: nothing is done for it
             return None
-        session, new, fresh = self._session_for(turn)
+        with self._claim(turn) as (session, new, fresh):
+            return self._turn(turn, job, (session, new, fresh), emit, resolved)
+
+    def _turn(self, turn: TurnRequest, job: Job, found: tuple[Session, list[Message], bool], emit,
+              resolved) -> TurnOutput | None:
+        session, new, fresh = found
         for message in new[:-1]:
             commit(session, message)
         if resolved is not None:
@@ -166,23 +229,48 @@ class Service:
 
     # ------------------------------------------------------------------ which session
 
-    def _session_for(self, turn: TurnRequest) -> tuple[Session, list[Message], bool]:
-        """The session that continues ``turn``, the messages it has not seen, and whether it is new."""
+    @contextlib.contextmanager
+    def _claim(self, turn: TurnRequest) -> Iterator[tuple[Session, list[Message], bool]]:
+        """The session that continues ``turn``, the messages it has not seen, and whether it is new; held for this
+        request alone until the block ends. What it has not seen is read once the session is held: a turn of the
+        same session that ran meanwhile is part of its history then."""
         if turn.session_id is not None:
             self._owned(turn.session_id, turn.owner)
-            new = unseen((self.store, turn.session_id), turn.wanted, turn.tools)
-            if new is None:
-                raise Conflict(f"session {turn.session_id}: its stored messages are not a proper prefix of the "
-                               "request's messages")
-            return self._live(turn.session_id), new, False
+            with self._hold(turn.session_id):
+                new = unseen((self.store, turn.session_id), turn.wanted, turn.tools)
+                if new is None:
+                    raise Conflict(f"session {turn.session_id}: its stored messages are not a proper prefix of the "
+                                   "request's messages")
+                yield self._live(turn.session_id), new, False
+            return
         found = self._continued(turn)
         if found is not None:
-            sid, new = found
-            return self._live(sid), new, False
+            with self._hold(found[0]):
+                # a concurrent turn may have moved the session past this request: then it continues nothing
+                new = unseen((self.store, found[0]), turn.wanted, turn.tools)
+                if new is not None:
+                    yield self._live(found[0]), new, False
+                    return
         session = Session.create_on(self.runner, self.model_id, self.policy, self.store,
                                     {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served"})
-        self._remember(session)
-        return session, turn.wanted[-1:], True
+        with self._hold(session.id):
+            self._remember(session)
+            yield session, turn.wanted[-1:], True
+
+    @contextlib.contextmanager
+    def _hold(self, session_id: str) -> Iterator[None]:
+        """This thread alone runs turns of ``session_id`` until the block ends (others wait)."""
+        with self._guard:
+            claim = self._claims.setdefault(session_id, _Claim())
+            claim.users += 1
+        try:
+            with claim.lock:
+                yield
+        finally:
+            with self._guard:
+                claim.users -= 1
+                if not claim.users:
+                    del self._claims[session_id]
 
     def _continued(self, turn: TurnRequest) -> tuple[str, list[Message]] | None:
         """The caller's session holding the longest proper prefix of the request, by content hash, then by view."""
@@ -208,18 +296,21 @@ class Service:
         return best
 
     def _live(self, session_id: str) -> Session:
-        session = self.live.get(session_id)
+        """The live session (the caller holds it, :meth:`_hold`), opened from the store when it is not live."""
+        with self._guard:
+            session = self.live.get(session_id)
         if session is None:
             session = Session.open(session_id, model=self.runner, store=self.store)
         self._remember(session)
         return session
 
     def _remember(self, session: Session) -> None:
-        self.live[session.id] = session
-        self.live.move_to_end(session.id)
-        while len(self.live) > self.max_live:
-            _, gone = self.live.popitem(last=False)  # rebuilt exactly from the store when next used
-            _release(gone)
+        with self._guard:
+            self.live[session.id] = session
+            self.live.move_to_end(session.id)
+            idle = [sid for sid in self.live if sid not in self._claims]  # least recent first; busy ones stay
+            for sid in idle[: max(0, len(self.live) - self.max_live)]:
+                _release(self.live.pop(sid))  # rebuilt exactly from the store when next used
 
     # ------------------------------------------------------------------ session endpoints
 
@@ -257,14 +348,17 @@ class Service:
 
     def fork(self, session_id: str, owner: str | None, turn: int | None) -> dict:
         self._owned(session_id, owner)
-        fork = self._live(session_id).fork(turn)
+        with self._hold(session_id):
+            fork = self._live(session_id).fork(turn)
         return {"id": fork.id, "object": "session", "forked_from": session_id,
                 "messages": len(self.store.messages(fork.id))}
 
     def delete(self, session_id: str, owner: str | None) -> dict:
         self._owned(session_id, owner)
-        gone = self.live.pop(session_id, None)
-        if gone is not None:
-            _release(gone)  # its cold tier, and a spill file if it has one
-        self.store.delete_session(session_id)
+        with self._hold(session_id):
+            with self._guard:
+                gone = self.live.pop(session_id, None)
+            if gone is not None:
+                _release(gone)  # its cold tier, and a spill file if it has one
+            self.store.delete_session(session_id)
         return {"id": session_id, "object": "session", "deleted": True}

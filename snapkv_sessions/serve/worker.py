@@ -1,7 +1,7 @@
-"""One model, one thread: the jobs of every request run in order on a single worker, behind a bounded queue.
+"""The jobs of every request, behind a bounded queue: one at a time, or one per decode slot with a scheduler.
 
-A process serves one model; its forward passes run one at a time (the runner's hooks and the sessions' caches
-are not shared between threads). Requests wait in a queue of bounded length: when it is full a request is refused
+A process serves one model; its forward passes run one at a time (on the worker thread, or on the scheduler's
+thread when batching). Requests wait in a queue of bounded length: when it is full a request is refused
 at once (HTTP 429 with ``Retry-After``) instead of piling up. A job whose deadline passes while it waits is not
 started; one that is running when its deadline passes is told to stop (:attr:`Job.cancelled`), which a streamed
 turn honours between tokens by closing its stream (the turn is then abandoned cleanly, as any abandoned
@@ -50,17 +50,23 @@ class Job:
 
 
 class Worker:
-    """Runs jobs one at a time on its own thread, from a queue of at most ``max_queue`` waiting jobs."""
+    """Runs jobs on ``threads`` threads (one by default: one at a time), from a queue of at most ``max_queue``
+    waiting jobs. With a scheduler (:mod:`snapkv_sessions.scheduler`) the server runs one thread per decode slot:
+    their turns' forwards all go to the scheduler's thread, which batches their decode steps."""
 
-    def __init__(self, max_queue: int, typical_job_s: float = 5.0) -> None:
+    def __init__(self, max_queue: int, typical_job_s: float = 5.0, threads: int = 1) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r}: must be an int >= 1 (a queue of 0 would be unbounded)")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads={threads!r}: must be an int >= 1")
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.typical_job_s = typical_job_s
         self.closing = False
         self._gate = threading.Lock()  # closing and enqueueing happen one at a time: no job lands after the end
-        self.thread = threading.Thread(target=self._loop, name="snapkv-serve-worker", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._loop, name=f"snapkv-serve-worker-{i}", daemon=True)
+                        for i in range(threads)]
+        for thread in self.threads:
+            thread.start()
 
     def submit(self, fn: Callable[[Job], object], timeout_s: float) -> Job:
         job = Job(fn, time.monotonic() + timeout_s)
@@ -70,7 +76,8 @@ class Worker:
             try:
                 self.jobs.put_nowait(job)
             except queue.Full:
-                raise Busy(max(1, round(self.jobs.qsize() * self.typical_job_s))) from None
+                waits = self.jobs.qsize() * self.typical_job_s / len(self.threads)
+                raise Busy(max(1, round(waits))) from None
         return job
 
     def _loop(self) -> None:
@@ -97,9 +104,11 @@ class Worker:
     def close(self, wait_s: float = 30.0) -> None:
         """Finish the running job, refuse the waiting ones, stop the thread."""
         with self._gate:
-            self.closing = True  # from here no job is enqueued, so the end marker below is the last item
-        try:
-            self.jobs.put(None, timeout=wait_s)
-        except queue.Full:
-            pass
-        self.thread.join(timeout=wait_s)
+            self.closing = True  # from here no job is enqueued, so the end markers below are the last items
+        for _ in self.threads:  # one end marker per thread
+            try:
+                self.jobs.put(None, timeout=wait_s)
+            except queue.Full:
+                break
+        for thread in self.threads:
+            thread.join(timeout=wait_s)

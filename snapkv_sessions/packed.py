@@ -1,0 +1,72 @@
+"""Prepacked linear weights for CPU serving: every ``nn.Linear`` of a model runs oneDNN's matmul on a weight
+reordered once into its blocked layout.
+
+PyTorch's default fp32 ``linear`` on CPU packs the weight matrix again at every call. A decode step of one session
+(one row) is bound by reading the weights, so that costs little; a batched step of a few rows
+(:mod:`snapkv_sessions.scheduler`) pays it for every layer, and two rows cost nearly twice one. Packed once, the
+same step with eight rows costs about twice one row instead of 2.2x, and two rows about the same as one (SmolLM2-135M,
+fp32, 2 cores; ``docs/batching.md``).
+
+The results equal the default ``linear`` to float rounding, not bit for bit, so a model is packed only when asked
+(``snapkv-sessions serve --packed-weights``): records made with packed weights are verified by a process that packs
+too. fp32 on CPU only; bf16 needs CPU features this code does not assume.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+
+_PACKED = "_snapkv_packed"
+
+
+def available() -> bool:
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
+    """Pack every ``nn.Linear`` of ``model`` (fp32, CPU) for batches of about ``rows`` rows; returns how many.
+    Idempotent. The module's ``weight`` stays as it is (state dicts and ties are untouched); its forward reads the
+    packed copy, so changing the weight afterwards needs :func:`unpack_linears` and a new pack."""
+    if not available():
+        raise ConfigError("packed_weights", True, "this torch build has no oneDNN (mkldnn) linear")
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or hasattr(module, _PACKED):
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ConfigError("packed_weights", f"{name}: {weight.dtype} on {weight.device}",
+                              "packs fp32 weights on the CPU only")
+        with torch.no_grad():
+            setattr(module, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+        module.forward = _packed_forward(module)
+        count += 1
+    return count
+
+
+def unpack_linears(model: torch.nn.Module) -> int:
+    """Give every packed ``nn.Linear`` its own forward back; returns how many."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, _PACKED):
+            delattr(module, _PACKED)
+            del module.forward  # the instance attribute: the class's forward shows again
+            count += 1
+    return count
+
+
+def is_packed(model: torch.nn.Module) -> bool:
+    return any(hasattr(m, _PACKED) for m in model.modules())
+
+
+def _packed_forward(module: torch.nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        """x (..., in_features) -> (..., out_features)."""
+        flat = x.reshape(-1, x.shape[-1])  # (M, in)
+        bias = None if module.bias is None else module.bias.detach()
+        out = torch.ops.mkldnn._linear_pointwise(flat, getattr(module, _PACKED), bias, "none", [], "")  # (M, out)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
