@@ -281,7 +281,8 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
 @click.option("--batch", "batches", default="0,8", show_default=True,
               help="Servers to compare, one per value: decode slots (0: one turn at a time).")
 @click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
-@click.option("--packed-weights", is_flag=True, help="Every server packs its linear weights (serve --packed-weights).")
+@click.option("--packed-weights", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="Servers with packed linear weights (serve --packed-weights), without, or both side by side.")
 @click.option("--max-queue", default=16, show_default=True, help="The server's queue length.")
 @click.option("--policy", default=None, help="Policy for the server's sessions (name or YAML path).")
 @click.option("--base-url", default=None, help="A running server (default: start one on a free loopback port).")
@@ -297,7 +298,8 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weigh
 
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
-                                  tuple(_int_list("batch", batches)), max_queue, policy, budget, packed_weights)
+                                  tuple(_int_list("batch", batches)), max_queue, policy, budget,
+                                  {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights])
     result = serve_bench.run(spec, base_url, api_key, log=log)
     _emit(result, out, as_json, serve_bench.table, bulky="turns")
 

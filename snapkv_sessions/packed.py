@@ -27,6 +27,7 @@ def available() -> bool:
 
 def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
     """Pack every ``nn.Linear`` of ``model`` (fp32, CPU) for batches of about ``rows`` rows; returns how many.
+    (A layout packed for 8 rows served 1 to 8 rows best in our measurements, one row included.)
     Idempotent. The module's ``weight`` stays as it is (state dicts and ties are untouched); its forward reads the
     packed copy, so changing the weight afterwards needs :func:`unpack_linears` and a new pack."""
     if not available():

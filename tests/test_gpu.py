@@ -124,6 +124,9 @@ def test_gpu_check_cpu_mode():
         assert run["layers_identical"] == "2/2" and run["tpot_ms"]["full"] > 0 and run["tpot_ms"]["budget"] > 0
         assert 0 < run["compression_share"] and run["kept_per_layer"] < run["length"]
     assert out["peak_memory_bytes"] is None
+    batched = out["batched_decode"]
+    assert [r["sessions"] for r in batched["rows"]] == [1, 2, 4, 8] and batched["first_step_equal_alone"] is True
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in batched["rows"])
 
 
 @needs_triton

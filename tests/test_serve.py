@@ -391,6 +391,17 @@ def test_batched_server_replies_equal_the_unbatched_server(tmp_path):
     assert replies["4"] == replies["0"]
 
 
+def test_decode_rate_counts_the_time_any_turn_was_decoding():
+    from snapkv_sessions.bench.serve import TurnTiming, decode_rate
+
+    def turn(n, span):
+        return TurnTiming(0, 1, 200, 1.0, 1.0, n, 5, span)
+
+    # two overlapping spans (0-2, 1-3) and one apart (5-6): 4 s busy, (11-1) + (5-1) + (3-1) tokens after the first
+    assert decode_rate([turn(11, (0.0, 2.0)), turn(5, (1.0, 3.0)), turn(3, (5.0, 6.0))]) == 4.0
+    assert decode_rate([turn(1, None)]) is None
+
+
 def test_bench_serve_small_run():
     from click.testing import CliRunner
 

@@ -3,7 +3,9 @@
 Every client streams its turns through the OpenAI wire format (SSE, ``stream_options.include_usage``) and sends
 the whole conversation each time, as agent frameworks do. Per turn: time to the first content token (TTFT), time
 per output token after it (TPOT), completion tokens; per level of concurrency: aggregate completion tokens per
-second over the wall time, p50/p95 of TTFT and TPOT, 429s and other errors. The server runs in a subprocess on a
+second over the wall time, aggregate decode tokens per second (:func:`decode_rate`), p50/p95 of TTFT and TPOT,
+429s and other errors. Servers with and without batching (and packed weights) run one after another in one run,
+and every row's ratios are to the one-turn-at-a-time server's at the same N. The server runs in a subprocess on a
 free loopback port with a private SQLite store, unless ``base_url`` names a running one.
 """
 
@@ -35,6 +37,7 @@ class TurnTiming:
     tpot_ms: float | None
     completion_tokens: int
     prompt_tokens: int
+    decoding: tuple[float, float] | None = None  # (first, last) content piece, perf_counter seconds
 
 
 def start_server(model: str, folder: Path, *args: str, wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
@@ -88,7 +91,8 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
     n = usage.get("completion_tokens", 0)
     ttft = None if first is None else (first - t0) * 1e3
     tpot = None if first is None or n < 2 else (last - first) * 1e3 / (n - 1)
-    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0)), "".join(text)
+    span = None if first is None or n < 2 else (first, last)
+    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0), span), "".join(text)
 
 
 def run_clients(url: str, model: str, clients: int, turns: int, max_tokens: int, key: str | None) -> dict:
@@ -125,11 +129,29 @@ def run_clients(url: str, model: str, clients: int, turns: int, max_tokens: int,
     tokens = sum(t.completion_tokens for t in ok)
     return {"clients": clients, "turns": len(ok), "wall_s": round(wall, 2), "completion_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 2) if wall else None,
+            "decode_tokens_per_s": decode_rate(ok),
             "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p95": _pct(ttft, 95),
             "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p95": _pct(tpot, 95),
             "status_429": sum(t.status == 429 for t in timings),
             "errors": len(errors) + sum(t.status not in (200, 429) for t in timings), "error_samples": errors[:3],
             "per_turn": [asdict(t) for t in timings]}
+
+
+def decode_rate(turns: list[TurnTiming]) -> float | None:
+    """Aggregate decode tokens/s: the tokens after each turn's first, over the time at least one turn was decoding
+    (the union of the turns' first-to-last-token spans). One turn at a time, it is 1/TPOT; batched, it counts
+    the decode steps shared, and prefills that ran while some turn was decoding count against it."""
+    spans = sorted(t.decoding for t in turns if t.decoding is not None)
+    busy, end = 0.0, None
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    tokens = sum(t.completion_tokens - 1 for t in turns if t.decoding is not None)
+    return round(tokens / busy, 2) if busy else None
 
 
 def _pct(values: list[float], q: int) -> float | None:
@@ -152,29 +174,36 @@ class ServeBench:
     max_queue: int = 16
     policy: str | None = None  # a policy name or YAML path; None: ``budget``
     budget: int = 512
-    packed_weights: bool = False  # every server packs its linear weights (snapkv_sessions.packed)
+    packed: tuple[bool, ...] = (False,)  # servers with and/or without packed linear weights (snapkv_sessions.packed)
 
 
 def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, log=print) -> dict:
     """Every level against a server started per ``bench.batches`` value (or against ``base_url``), side by side
     in one run; each row says its batch setting, and ``speedup`` is its tokens/s over the unbatched row's."""
     rows, per_turn = [], {}
-    for batch in ([None] if base_url else bench.batches):
-        got, turns = _one_server(bench, batch, base_url, key, log)
+    servers = [(None, False)] if base_url else [(b, p) for p in bench.packed for b in bench.batches]
+    for server in servers:
+        got, turns = _one_server(bench, server, base_url, key, log)
         rows += got
         per_turn.update(turns)
-    serial = {r["clients"]: r["tokens_per_s"] for r in rows if r["batch"] == 0}
+    # the baseline: one turn at a time, unpacked when that ran (the default server), else packed
+    serial = {}
+    for r in sorted(rows, key=lambda r: r["packed"], reverse=True):
+        if r["batch"] == 0:
+            serial[r["clients"]] = r
     for r in rows:
-        base = serial.get(r["clients"])
-        r["speedup"] = round(r["tokens_per_s"] / base, 2) if base and r["tokens_per_s"] else None
+        base = serial.get(r["clients"], {})
+        for key, ratio in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
+            r[ratio] = round(r[key] / base[key], 2) if base.get(key) and r[key] else None
     return {"benchmark": "serve", "model": bench.model, "turns_per_client": bench.turns, "max_tokens": bench.max_tokens,
             "max_queue": bench.max_queue, "policy": bench.policy or {"compression": {"budget": bench.budget}},
-            "packed_weights": bench.packed_weights,
+            "packed": list(bench.packed),
             "levels": rows, "turns": per_turn}
 
 
-def _one_server(bench: ServeBench, batch: int | None, base_url: str | None, key: str | None,
+def _one_server(bench: ServeBench, server: tuple[int | None, bool], base_url: str | None, key: str | None,
                 log) -> tuple[list[dict], dict]:
+    batch, packed = server
     proc, folder = None, Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
     url = base_url
     if url is None:
@@ -183,14 +212,15 @@ def _one_server(bench: ServeBench, batch: int | None, base_url: str | None, key:
             policy = str(folder / "policy.json")
             Path(policy).write_text(json.dumps({"compression": {"budget": bench.budget, "window": 16}}))
         proc, url = start_server(bench.model, folder, "--max-queue", str(bench.max_queue), "--policy", policy,
-                                 "--batch", str(batch), *(["--packed-weights"] if bench.packed_weights else []))
+                                 "--batch", str(batch), *(["--packed-weights"] if packed else []))
     rows, per_turn = [], {}
     try:
         stream_turn(url, bench.model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
         for n in bench.levels:
-            row = {"batch": batch, **run_clients(url, bench.model, n, bench.turns, bench.max_tokens, key)}
-            per_turn[f"batch={batch},N={n}"] = row.pop("per_turn")
-            log(f"batch={batch} N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
+            row = {"batch": batch, "packed": packed,
+                   **run_clients(url, bench.model, n, bench.turns, bench.max_tokens, key)}
+            per_turn[f"batch={batch},packed={packed},N={n}"] = row.pop("per_turn")
+            log(f"batch={batch} packed={packed} N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
                 f"TPOT p50/p95 {row['tpot_ms_p50']}/{row['tpot_ms_p95']} ms, 429s {row['status_429']}, "
                 f"errors {row['errors']}")
             rows.append(row)
@@ -202,11 +232,13 @@ def _one_server(bench: ServeBench, batch: int | None, base_url: str | None, key:
 
 
 def table(result: dict) -> str:
-    head = (f"{'batch':>5} {'N':>3} {'turns':>5} {'tok/s':>7} {'x':>5} {'TTFT p50':>9} {'TTFT p95':>9} "
-            f"{'TPOT p50':>9} {'TPOT p95':>9} {'429':>4} {'errors':>6}")
+    head = (f"{'batch':>5} {'packed':>6} {'N':>3} {'turns':>5} {'tok/s':>7} {'x':>5} {'decode/s':>8} {'x':>5} "
+            f"{'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'429':>4} {'errors':>6}")
     lines = [head, "-" * len(head)]
     for r in result["levels"]:
-        lines.append(f"{r['batch']!s:>5} {r['clients']:>3} {r['turns']:>5} {r['tokens_per_s']!s:>7} "
-                     f"{r['speedup']!s:>5} {r['ttft_ms_p50']!s:>9} {r['ttft_ms_p95']!s:>9} {r['tpot_ms_p50']!s:>9} "
+        lines.append(f"{r['batch']!s:>5} {'yes' if r['packed'] else 'no':>6} {r['clients']:>3} {r['turns']:>5} "
+                     f"{r['tokens_per_s']!s:>7} {r['speedup']!s:>5} {r['decode_tokens_per_s']!s:>8} "
+                     f"{r['decode_speedup']!s:>5} "
+                     f"{r['ttft_ms_p50']!s:>9} {r['ttft_ms_p95']!s:>9} {r['tpot_ms_p50']!s:>9} "
                      f"{r['tpot_ms_p95']!s:>9} {r['status_429']:>4} {r['errors']:>6}")
     return "\n".join(lines)

@@ -8,7 +8,10 @@ On CUDA (default ``--model qwen2.5-coder-0.5b-instruct --dtype bf16 --lengths 16
 * ``tpot_ms``: median time per output token, full cache versus the budget (10% by default), and their ratio;
 * ``compression_share``: compression time (selection and gather; the window scores are part of the prefill)
   as a share of the prefill;
-* ``peak_memory_bytes``: the device's peak allocated memory over the run.
+* ``peak_memory_bytes``: the device's peak allocated memory over the run;
+* ``batched_decode``: S = 1, 2, 4, 8 sessions at the first length and the budget decoded together in decode slots
+  (:mod:`snapkv_sessions.batch`): ms per step, tokens/s and the speedup over one session, and whether the first
+  batched step's greedy tokens equal each session stepped alone.
 
 ``--device cpu`` runs the same code on a tiny random Llama-style GQA model at short lengths in fp32, with the
 Triton kernel in Triton's interpreter when Triton is installed; the tests run it, so the check cannot rot.
@@ -133,6 +136,48 @@ def measure(runner, length: int, budget: float, window: int, steps: int) -> dict
     }
 
 
+def batched(runner, length: int, budget: float, window: int, steps: int, sizes=(1, 2, 4, 8)) -> dict:
+    """Batched decode (:class:`~snapkv_sessions.batch.SlotPool`): median ms per step with S sessions of ``length``
+    tokens compressed to ``budget`` decoding together, tokens/s, the speedup over S=1, and whether the first
+    step's greedy tokens equal each session stepped alone."""
+    import torch
+
+    from ..batch import SlotPool
+    from ..config import CompressionConfig
+
+    device, vocab = runner.device, runner.model.config.vocab_size
+    cfg = CompressionConfig.make(budget_ratio=budget, window=window)
+    states, first = [], []
+    for i in range(max(sizes)):
+        ids = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(i)).tolist()
+        state = runner.new_state()
+        logits, probe = runner.prefill(state, ids, window=window)
+        runner.compress(state, cfg, probe)
+        states.append(state)
+        first.append(int(logits.argmax()))
+    alone = [int(runner.step(copy.deepcopy(s), t).argmax()) for s, t in zip(states, first, strict=True)]
+    rows = []
+    for size in sizes:
+        pool = SlotPool(runner.num_layers, size)
+        for state in states[:size]:
+            pool.admit(state, steps + 1)
+        tokens, times = first[:size], []
+        for step in range(steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            logits = pool.step(runner, tokens)  # (S, V)
+            tokens = logits.argmax(-1).tolist()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if step == 0 and size == max(sizes):
+                equal = tokens == alone
+        rows.append({"sessions": size, "step_ms": round(statistics.median(times), 3),
+                     "tokens_per_s": round(size * 1e3 / statistics.median(times), 1)})
+        del pool
+    for row in rows:
+        row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 2)
+    return {"length": length, "rows": rows, "first_step_equal_alone": equal}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(argv)
     want_cpu = args.device == "cpu"
@@ -170,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
         "budget_ratio": args.budget, "window": args.window, "decode_steps": args.decode_steps,
         "fused_triton_scorer": fused, "fused_triton_gather": fused_gather(device) is not None, "runs": runs,
         "selection_identical": all(r["selection_identical"] for r in runs),
+        "batched_decode": batched(runner, lengths[0], args.budget, args.window, min(args.decode_steps, 16)),
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else None,
         "seconds": round(time.perf_counter() - t_start, 1),
     }

@@ -145,7 +145,7 @@ class Service:
         if capacity.packed_weights:
             from ..packed import pack_linears
 
-            pack_linears(self.runner.model, rows=max(capacity.batch, 1))
+            pack_linears(self.runner.model, rows=8)
         self.scheduler = None
         if capacity.batch:
             from ..scheduler import Scheduler
