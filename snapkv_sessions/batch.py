@@ -71,13 +71,15 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    @torch.inference_mode()
     def admit(self, state: KVState, extra: int) -> int:
-        """Copy ``state``'s cache into a free slot with room for ``extra`` more tokens; returns the slot."""
+        """Copy ``state``'s cache into a free slot with room for ``extra`` more tokens (at most ``_ROUND``: the
+        slots widen as replies fill them, so a large reply cap allocates nothing up front); returns the slot."""
         if not self.free:
             raise RuntimeError(f"all {self.size} slots are taken")
         layers = state.cache.layers
         lengths = [int(lay.keys.shape[-2]) for lay in layers]
-        self._fit(layers[0].keys, max(lengths) + extra)
+        self._fit(layers[0].keys, max(lengths) + min(max(extra, 1), _ROUND))
         index = len(self.slots)
         for layer, lay in enumerate(layers):
             n = lengths[layer]
@@ -86,6 +88,7 @@ class SlotPool:
         self.slots.append(Slot(state, lengths))
         return index
 
+    @torch.inference_mode()
     def release(self, index: int) -> KVState:
         """Copy slot ``index`` back into its session's own cache, account for the tokens fed, free the slot."""
         slot = self.slots[index]
@@ -131,9 +134,9 @@ class SlotPool:
         n = len(self.slots)
         if len(tokens) != n or not n:
             raise ValueError(f"{n} active slots and {len(tokens)} tokens: give one token per slot, at least one")
-        for slot in self.slots:  # a slot is never written past its width: admit() reserved the reply's room
-            if max(slot.lengths) >= self.width:
-                raise RuntimeError(f"a slot is full ({self.width} tokens); admit it with more room")
+        longest = max(max(slot.lengths) for slot in self.slots)
+        if longest >= self.width:  # a slot is full: every slot widens, keeping what it holds
+            self._fit(self.keys[0], longest + 1)
         device = self.keys[0].device
         input_ids = torch.tensor([[int(t)] for t in tokens], device=device)  # (n, 1)
         positions = [s.state.next_position + len(s.fed) for s in self.slots]

@@ -283,6 +283,8 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
 @click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
 @click.option("--packed-weights", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="Servers with packed linear weights (serve --packed-weights), without, or both side by side.")
+@click.option("--document-tokens", default=0, show_default=True,
+              help="Each client's first message starts with a document of about this many tokens.")
 @click.option("--max-queue", default=16, show_default=True, help="The server's queue length.")
 @click.option("--policy", default=None, help="Policy for the server's sessions (name or YAML path).")
 @click.option("--base-url", default=None, help="A running server (default: start one on a free loopback port).")
@@ -290,8 +292,8 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weights, max_queue, policy, base_url,
-                api_key, out, as_json) -> None:
+def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weights, document_tokens, max_queue, policy,
+                base_url, api_key, out, as_json) -> None:
     """N concurrent multi-turn clients against the server, batched and not: tokens/s (and the ratio), TTFT and
     TPOT p50/p95, 429s, errors."""
     from .bench import serve as serve_bench
@@ -299,7 +301,8 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weigh
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
                                   tuple(_int_list("batch", batches)), max_queue, policy, budget,
-                                  {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights])
+                                  {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
+                                  max(0, document_tokens))
     result = serve_bench.run(spec, base_url, api_key, log=log)
     _emit(result, out, as_json, serve_bench.table, bulky="turns")
 

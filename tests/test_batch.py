@@ -52,3 +52,29 @@ def test_one_token_per_state():
     runner = ModelRunner(build_tiny("llama", layers=2))
     with pytest.raises(ValueError, match="one token per state"):
         decode_step(runner, [runner.new_state()], [1, 2])
+
+
+def test_slots_grow_as_replies_outrun_their_room_and_stay_equal():
+    """Slots are admitted with little room (a long max_new_tokens never allocates its whole reply up front) and
+    widen as they fill; every step still equals the sessions stepped alone."""
+    from snapkv_sessions.batch import SlotPool
+
+    runner = ModelRunner(build_tiny("llama", layers=2))
+    together, alone = _sessions(runner), _sessions(runner)
+    tokens = [s.pending[0] for s in together]
+    for s in together + alone:
+        s.pending = []
+    pool = SlotPool(runner.num_layers, 3)
+    for state in together:
+        pool.admit(state, 1)
+    first_width = pool.width
+    for _ in range(first_width + 5):  # past the first width
+        batch_logits = pool.step(runner, tokens)  # (S, V)
+        single = torch.stack([runner.step(s, t) for s, t in zip(alone, tokens, strict=True)])  # (S, V)
+        torch.testing.assert_close(batch_logits, single, rtol=1e-4, atol=1e-5)
+        tokens = single.argmax(-1).tolist()
+    assert pool.width > first_width
+    while pool.slots:
+        pool.release(0)
+    for a, b in zip(together, alone, strict=True):
+        assert a.token_ids == b.token_ids and a.cache_lengths() == b.cache_lengths()

@@ -95,15 +95,30 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
     return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0), span), "".join(text)
 
 
-def run_clients(url: str, model: str, clients: int, turns: int, max_tokens: int, key: str | None) -> dict:
+def document(client: int, tokens: int) -> str:
+    """A made-up record list of about ``tokens`` tokens (about four characters per token), different per client."""
+    lines, size, i = [], 0, 0
+    while size < tokens * 4:
+        line = f"Record {i}: the river R{client}-{i} is {(i * 37 + client * 11) % 900 + 100} km long."
+        lines.append(line)
+        size += len(line) + 1
+        i += 1
+    return "\n".join(lines)
+
+
+def run_clients(url: str, model: str, clients: int, bench: ServeBench, key: str | None) -> dict:
     timings: list[TurnTiming] = []
     errors: list[str] = []
     lock = threading.Lock()
+    turns, max_tokens = bench.turns, bench.max_tokens
 
     def client(i: int) -> None:
         messages = [{"role": "system", "content": f"You are assistant number {i}. Be brief."}]
         for t in range(turns):
-            messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+            question = QUESTIONS[t % len(QUESTIONS)]
+            if t == 0 and bench.document_tokens:
+                question = f"{document(i, bench.document_tokens)}\n\n{question}"
+            messages.append({"role": "user", "content": question})
             try:
                 timing, reply = stream_turn(url, model, messages, max_tokens, i, t + 1, key)
             except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -175,6 +190,7 @@ class ServeBench:
     policy: str | None = None  # a policy name or YAML path; None: ``budget``
     budget: int = 512
     packed: tuple[bool, ...] = (False,)  # servers with and/or without packed linear weights (snapkv_sessions.packed)
+    document_tokens: int = 0  # each client's first message starts with a document of about this many tokens
 
 
 def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, log=print) -> dict:
@@ -197,7 +213,7 @@ def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, 
             r[ratio] = round(r[key] / base[key], 2) if base.get(key) and r[key] else None
     return {"benchmark": "serve", "model": bench.model, "turns_per_client": bench.turns, "max_tokens": bench.max_tokens,
             "max_queue": bench.max_queue, "policy": bench.policy or {"compression": {"budget": bench.budget}},
-            "packed": list(bench.packed),
+            "packed": list(bench.packed), "document_tokens": bench.document_tokens,
             "levels": rows, "turns": per_turn}
 
 
@@ -218,7 +234,7 @@ def _one_server(bench: ServeBench, server: tuple[int | None, bool], base_url: st
         stream_turn(url, bench.model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
         for n in bench.levels:
             row = {"batch": batch, "packed": packed,
-                   **run_clients(url, bench.model, n, bench.turns, bench.max_tokens, key)}
+                   **run_clients(url, bench.model, n, bench, key)}
             per_turn[f"batch={batch},packed={packed},N={n}"] = row.pop("per_turn")
             log(f"batch={batch} packed={packed} N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
                 f"TPOT p50/p95 {row['tpot_ms_p50']}/{row['tpot_ms_p95']} ms, 429s {row['status_429']}, "
