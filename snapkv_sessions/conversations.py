@@ -67,6 +67,16 @@ def unseen(session: Session | tuple[SessionStore, str], wanted: list[Message],
     return None
 
 
+def answered(session: Session | tuple[SessionStore, str], wanted: list[Message], tools: list[str] | None) -> bool:
+    """Whether the session stored exactly ``wanted`` and then its reply: the request was answered already (a
+    retry after a failure that came after the turn was run, or recovered by the store's pending rules)."""
+    store, session_id = (session.store, session.id) if isinstance(session, Session) else session
+    keys = stored_keys(store, session_id, tools)
+    rows = store.messages(session_id)
+    return (len(keys) == len(wanted) + 1 and rows[-1]["role"] == "assistant"
+            and [message_key(m) for m in wanted] == keys[:-1])
+
+
 def with_tools(wanted: list[Message], tools: list[dict] | None, tool_choice: object = None) -> list[Message]:
     """``wanted`` checked as a turn's message list (the last one a user or tool message), with the tool list as a
     pinned ``tool_schema`` message after the leading system / developer messages, where a tool list belongs."""

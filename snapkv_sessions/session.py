@@ -18,7 +18,7 @@ from .admission import Admission, AdmissionError
 from .chat import Message, MessagePins
 from .drift import Assessment, DriftMonitor, decide
 from .errors import ConfigError
-from .generation import GenerationConfig, TextStream
+from .generation import GenerationConfig, TextStream, cut_at_stop
 from .models import runner_for
 from .policy import Policy
 from .press import layer_budgets
@@ -35,7 +35,8 @@ class SessionOptions(TypedDict, total=False):
     system: the system message. title: shown by ``sessions list``. redis_url: Redis for hot state and locks,
     when ``store`` is a URL. history: messages of any role (OpenAI-style dicts accepted) committed before the
     first turn, as if the conversation had happened; the first turn prefills it whole. thread_id: an agent
-    framework's thread (indexed: :meth:`SessionStore.session_for_thread` finds the session again).
+    framework's thread (indexed: :meth:`SessionStore.session_for_thread` finds the session again). session_id: the id
+    to give the session (a canonical UUID; a router that must name a session before it exists chooses it).
     """
 
     system: str | None
@@ -44,6 +45,7 @@ class SessionOptions(TypedDict, total=False):
     history: list | None
     thread_id: str | None
     owner: str | None
+    session_id: str | None
 
 
 class Session:
@@ -98,7 +100,7 @@ class Session:
         first += [Message.coerce(m) for m in options.get("history") or []]  # all checked before anything is stored
         sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=options.get("title"),
                                    meta={"model_fingerprint": runner.fingerprint}, thread_id=options.get("thread_id"),
-                                   owner=options.get("owner"))
+                                   owner=options.get("owner"), session_id=options.get("session_id"))
         session = cls(sid, store, runner, policy, model_id)
         try:
             for message in first:
@@ -145,6 +147,12 @@ class Session:
         with store.lock(session_id):
             session._sync()
         return session
+
+    def catch_up(self) -> None:
+        """Bring the cache up to the store now: turns other workers ran are replayed, and a turn one of them left
+        pending is answered (or reported, per ``on_pending``) as on :meth:`open`."""
+        with self.store.lock(self.id):
+            self._sync()
 
     def _reset(self) -> None:
         """Forget everything model-side; the next use replays the store from the start."""
@@ -197,6 +205,22 @@ class Session:
                         pins=MessagePins.from_json(r.get("pins")))
                 for r in self.store.messages(self.id, include_abandoned=include_abandoned)
                 if up_to_seq is None or r["seq"] <= up_to_seq]
+
+    def stored_reply(self, turn: int) -> Reply:
+        """The reply of done turn ``turn``, as the store holds it (a retried request is answered with it)."""
+        rows = {row["turn"]: row for row in self.store.turns(self.id, status="done")}
+        if turn not in rows:
+            raise ConfigError("turn", turn, f"is not a done turn of session {self.id}")
+        row = rows[turn]
+        content = next(m.content for m in self.messages() if m.seq == row["assistant_seq"])
+        text = cut_at_stop(content, (row["generation"] or {}).get("stop") or ())  # as the live reply showed it
+        pending = list(row["pending_tokens"] or [])
+        tokens = list(row["decode_tokens"] or []) + (pending if row["stop_reason"] != "eos" else [])
+        context = max((seg[2] for seg in row["segments"] or []), default=0) + len(pending)
+        return Reply(text=text, turn=turn, session_id=self.id, token_ids=tokens,
+                     prompt_tokens=len(row["prefill_tokens"] or []), completion_tokens=len(tokens),
+                     context_tokens=context, cache_tokens=[], kept_per_role=row["kept_per_role"] or {},
+                     timings=row["timings"] or {}, report=None, stop_reason=row["stop_reason"] or "length")
 
     def verify(self) -> list[str]:
         """Problems in the stored hash chain (empty when intact)."""

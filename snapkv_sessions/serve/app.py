@@ -72,6 +72,64 @@ def as_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, f"internal error ({type(exc).__name__})", "server_error")
 
 
+def authorize(request: Request, api_keys: frozenset[str]) -> str | None:
+    """The caller's owner digest from ``Authorization: Bearer <key>`` (401 without a valid key; None without keys)."""
+    if not api_keys:
+        return None
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    if not any(hmac.compare_digest(key.encode(), k.encode()) for k in api_keys):
+        raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                       "invalid_request_error", None, "invalid_api_key")
+    return owner_of(key)
+
+
+async def read_body(request: Request, max_bytes: int, required: bool = True) -> object:
+    """The request's JSON body, read up to ``max_bytes`` (413 past it, 400 when it is not JSON)."""
+    declared = request.headers.get("content-length")
+    too_large = ApiError(413, f"the body is larger than {max_bytes} bytes", "invalid_request_error", "body",
+                         "body_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > max_bytes:
+            raise too_large
+    if not raw.strip() and not required:
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body must be JSON", "invalid_request_error", "body", "invalid_json") from None
+
+
+def completion_body(out: TurnOutput, model: str) -> dict:
+    """A finished turn as OpenAI's chat completion object, with the session beside it."""
+    use = protocol.usage(out.reply.prompt_tokens, out.reply.completion_tokens)
+    return protocol.completion(protocol.completion_id(), model, out.content, out.calls, out.finish, use, _extra(out))
+
+
+def stream_end(out: TurnOutput) -> dict:
+    """What a streamed turn sends after its pieces, as plain data: the rest of the content (what was shown is a
+    prefix of it), tool calls, the finish reason, the session fields and the usage."""
+    calls = [{"index": i, **c} for i, c in enumerate(protocol.tool_calls(out.calls))] if out.calls else []
+    return {"rest": out.content[len(out.shown):], "calls": calls, "finish": out.finish, "extra": _extra(out),
+            "usage": protocol.usage(out.reply.prompt_tokens, out.reply.completion_tokens)}
+
+
+def end_chunks(end: dict, req: protocol.ChatCompletionRequest, cid: str) -> list[str]:
+    """The SSE data of a stream's end (:func:`stream_end`): the last delta with the finish reason, the usage when
+    asked for, ``[DONE]``."""
+    delta: dict = {"content": end["rest"]} if end["rest"] else {}
+    if end["calls"]:
+        delta["tool_calls"] = end["calls"]
+    chunks = [json.dumps({**protocol.chunk(cid, req.model, delta, end["finish"]), **end["extra"]})]
+    if req.stream_options is not None and req.stream_options.include_usage:
+        chunks.append(json.dumps(protocol.chunk(cid, req.model, {}, use=end["usage"], choices=False)))
+    return [*chunks, "[DONE]"]
+
+
 def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI:
     options = options or ServeOptions()
     worker: Worker | None = None
@@ -99,33 +157,10 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         return as_api_error(exc).response()  # a fault of the server: the client gets a bounded message
 
     def owner(request: Request) -> str | None:
-        if not options.api_keys:
-            return None
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in options.api_keys):
-            raise ApiError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                           "invalid_request_error", None, "invalid_api_key")
-        return owner_of(key)
+        return authorize(request, options.api_keys)
 
     async def read_json(request: Request, required: bool = True) -> object:
-        """The request's JSON body, read up to ``max_body_bytes`` (413 past it, 400 when it is not JSON)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > options.max_body_bytes:
-            raise ApiError(413, f"the body is larger than {options.max_body_bytes} bytes", "invalid_request_error",
-                           "body", "body_too_large")
-        raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > options.max_body_bytes:
-                raise ApiError(413, f"the body is larger than {options.max_body_bytes} bytes",
-                               "invalid_request_error", "body", "body_too_large")
-        if not raw.strip() and not required:
-            return {}
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the body must be JSON", "invalid_request_error", "body", "invalid_json") from None
+        return await read_body(request, options.max_body_bytes, required)
 
     async def run(fn, job_timeout: float | None = None):
         """Run ``fn(job)`` on the worker and wait for it; errors come back as API errors."""
@@ -151,10 +186,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         if req.stream:
             return await _stream(request, req, turn)
         out: TurnOutput = await run(lambda job: service.chat(turn, job))
-        use = protocol.usage(out.reply.prompt_tokens, out.reply.completion_tokens)
-        body = protocol.completion(protocol.completion_id(), req.model, out.content, out.calls, out.finish, use,
-                                   _extra(out))
-        return JSONResponse(body, headers={SESSION_HEADER: out.session_id})
+        return JSONResponse(completion_body(out, req.model), headers={SESSION_HEADER: out.session_id})
 
     async def _stream(request: Request, req: protocol.ChatCompletionRequest, turn: TurnRequest):
         assert worker is not None
@@ -200,15 +232,8 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
                 if out is None:  # stopped at the deadline: the turn was abandoned
                     yield json.dumps(protocol.error("the request ran past its deadline", "timeout_error"))
                     return
-                rest = out.content[len(out.shown):]  # what was shown is a prefix of the final content
-                delta: dict = {"content": rest} if rest else {}
-                if out.calls:
-                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(protocol.tool_calls(out.calls))]
-                yield json.dumps({**protocol.chunk(cid, req.model, delta, out.finish), **_extra(out)})
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    use = protocol.usage(out.reply.prompt_tokens, out.reply.completion_tokens)
-                    yield json.dumps(protocol.chunk(cid, req.model, {}, use=use, choices=False))
-                yield "[DONE]"
+                for data in end_chunks(stream_end(out), req, cid):
+                    yield data
             finally:
                 job.cancelled.set()  # the client left (or the stream ended): a running turn stops and is abandoned
 

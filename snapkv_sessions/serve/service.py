@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from ..chat import Message
-from ..conversations import FINISH, StreamFilter, commit, reply_view, unseen, with_tools
+from ..conversations import FINISH, StreamFilter, answered, commit, reply_view, unseen, with_tools
 from ..errors import ConfigError
 from ..generation import GenerationConfig
 from ..integrations.openai import tool_names
@@ -107,6 +107,8 @@ class TurnRequest:
     session_id: str | None
     owner: str | None
     model: str
+    create: bool = False  # the named session may not exist yet: then create it under that id (a router chose it)
+    retried: bool = False  # a retry of a request that may have run: answered from the store if it did
 
 
 @dataclass
@@ -122,7 +124,74 @@ class TurnOutput:
     shown: str = ""  # the text already streamed (a prefix of ``content``)
 
 
-class Service:
+class Router:
+    """What needs no model: checking a request, finding the session it continues (the store's indexes), the
+    caller's sessions. A Ray ingress routes with one of these; :class:`Service` is one, with the model."""
+
+    def __init__(self, model_id: str, policy: str | dict | Policy | None, store: SessionStore,
+                 max_tokens: int = 256) -> None:
+        self.model_id, self.store, self.max_tokens = model_id, store, max_tokens
+        self.policy = Policy.load(policy).stated()
+
+    def prepare(self, req: protocol.ChatCompletionRequest, owner: str | None, session_header: str | None) -> TurnRequest:
+        """Check a request (no model work): its messages as session messages, tools, generation settings."""
+        if req.model != self.model_id:
+            raise ConfigError("model", req.model, f"this server serves {self.model_id!r} only")
+        wanted = with_tools(protocol.to_messages(req), req.tools, req.tool_choice)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        gen = {"max_new_tokens": req.max_completion_tokens or req.max_tokens or self.max_tokens, "stop": stops}
+        if req.temperature is not None:
+            gen["temperature"] = req.temperature
+        if req.top_p is not None:
+            gen["top_p"] = req.top_p
+        if req.seed is not None:
+            gen["seed"] = req.seed
+        GenerationConfig.from_call(gen)  # a bad combination is refused before anything is stored
+        session_id = session_header or (req.metadata or {}).get("session_id")
+        if session_id is not None and not SESSION_ID.fullmatch(session_id):
+            raise ConfigError("session_id", session_id[:80], "is not a session id")
+        return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
+
+    def _continued(self, turn: TurnRequest) -> tuple[str, list[Message]] | None:
+        """The caller's session holding the longest proper prefix of the request, by content hash, then by view."""
+        heads, prev = {}, GENESIS
+        for seq, msg in enumerate(turn.wanted[:-1], 1):
+            prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
+            heads[prev] = seq
+        hits = self.store.sessions_at_head(turn.owner, list(heads), model_id=self.model_id,
+                                           policy_sha256=self.policy.sha256)
+        for hit in sorted(hits, key=lambda h: -heads[h["head_hash"]]):
+            new = unseen((self.store, hit["id"]), turn.wanted, turn.tools)
+            if new is not None:
+                return hit["id"], new
+        best: tuple[str, list[Message]] | None = None
+        rows = self.store.list_sessions(owner=turn.owner, any_owner=False)
+        for row in sorted(rows, key=lambda r: (_utc(r["updated_at"]), r["id"]), reverse=True)[:SCAN_RECENT]:
+            if row["model_id"] != self.model_id or row["policy_sha256"] != self.policy.sha256:
+                continue
+            new = unseen((self.store, row["id"]), turn.wanted, turn.tools)
+            # an empty stored prefix (a session whose turns were all abandoned) continues nothing
+            if new is not None and len(new) < len(turn.wanted) and (best is None or len(new) < len(best[1])):
+                best = (row["id"], new)
+        return best
+
+    def _owned(self, session_id: str, owner: str | None) -> dict:
+        """The session row, if it exists and belongs to ``owner``; else :class:`NotFound` (ids leak nothing)."""
+        try:
+            row = self.store.get_session(session_id)
+        except StoreError:
+            raise NotFound(f"no session {session_id!r}") from None
+        if row.get("owner") != owner:
+            raise NotFound(f"no session {session_id!r}")
+        return row
+
+    def sessions(self, owner: str | None) -> list[dict]:
+        return [{"id": r["id"], "object": "session", "created_at": int(_utc(r["created_at"]).timestamp()),
+                 "model": r["model_id"], "title": r["title"], "turns": r["turns_done"], "messages": r["messages"]}
+                for r in self.store.list_sessions(owner=owner, any_owner=False)]
+
+
+class Service(Router):
     """The model, the policy, the store and the live sessions of one server process.
 
     The live sessions are kept in a small LRU (``max_live``); a session that left it is rebuilt exactly from the
@@ -135,10 +204,9 @@ class Service:
     def __init__(self, model, policy: str | dict | Policy | None, store: SessionStore,
                  capacity: Capacity | None = None) -> None:
         capacity = capacity or Capacity()
-        self.runner, self.model_id = runner_for(model)
-        self.policy = Policy.load(policy).stated()
-        self.store = store
-        self.max_live, self.max_tokens = capacity.max_live, capacity.max_tokens
+        self.runner, model_id = runner_for(model)
+        super().__init__(model_id, policy, store, capacity.max_tokens)
+        self.max_live = capacity.max_live
         self.live: OrderedDict[str, Session] = OrderedDict()
         self._guard = threading.Lock()  # the live LRU and the claims
         self._claims: dict[str, _Claim] = {}
@@ -165,25 +233,6 @@ class Service:
 
     # ------------------------------------------------------------------ requests
 
-    def prepare(self, req: protocol.ChatCompletionRequest, owner: str | None, session_header: str | None) -> TurnRequest:
-        """Check a request (no model work): its messages as session messages, tools, generation settings."""
-        if req.model != self.model_id:
-            raise ConfigError("model", req.model, f"this server serves {self.model_id!r} only")
-        wanted = with_tools(protocol.to_messages(req), req.tools, req.tool_choice)
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        gen = {"max_new_tokens": req.max_completion_tokens or req.max_tokens or self.max_tokens, "stop": stops}
-        if req.temperature is not None:
-            gen["temperature"] = req.temperature
-        if req.top_p is not None:
-            gen["top_p"] = req.top_p
-        if req.seed is not None:
-            gen["seed"] = req.seed
-        GenerationConfig.from_call(gen)  # a bad combination is refused before anything is stored
-        session_id = session_header or (req.metadata or {}).get("session_id")
-        if session_id is not None and not SESSION_ID.fullmatch(session_id):
-            raise ConfigError("session_id", session_id[:80], "is not a session id")
-        return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
-
     def chat(self, turn: TurnRequest, job: Job) -> TurnOutput:
         """A whole turn; past the job's deadline it stops between tokens, abandons the turn and raises."""
         out = self.stream(turn, job, lambda _text: None)
@@ -203,6 +252,14 @@ class Service:
     def _turn(self, turn: TurnRequest, job: Job, found: tuple[Session, list[Message], bool], emit,
               resolved) -> TurnOutput | None:
         session, new, fresh = found
+        if not new:  # a retry of a request already answered: the same reply, no second turn
+            done = self.store.turns(session.id, status="done")
+            out = self._output(turn, session, session.stored_reply(done[-1]["turn"]), fresh)
+            if resolved is not None:
+                resolved(session.id)
+            emit(out.content)
+            out.shown = out.content
+            return out
         for message in new[:-1]:
             commit(session, message)
         if resolved is not None:
@@ -235,13 +292,8 @@ class Service:
         request alone until the block ends. What it has not seen is read once the session is held: a turn of the
         same session that ran meanwhile is part of its history then."""
         if turn.session_id is not None:
-            self._owned(turn.session_id, turn.owner)
             with self._hold(turn.session_id):
-                new = unseen((self.store, turn.session_id), turn.wanted, turn.tools)
-                if new is None:
-                    raise Conflict(f"session {turn.session_id}: its stored messages are not a proper prefix of the "
-                                   "request's messages")
-                yield self._live(turn.session_id), new, False
+                yield self._named(turn)
             return
         found = self._continued(turn)
         if found is not None:
@@ -257,6 +309,28 @@ class Service:
             self._remember(session)
             yield session, turn.wanted[-1:], True
 
+    def _named(self, turn: TurnRequest) -> tuple[Session, list[Message], bool]:
+        """The session ``turn`` names (held by the caller), created under that id when the router chose it for a
+        new conversation. A retried request that was answered already (its turn done, or left pending and answered
+        as the session opened here) comes back with nothing new: :meth:`_turn` returns the stored reply."""
+        sid = turn.session_id
+        if turn.create and not self.store.session_exists(sid):
+            session = Session.create_on(self.runner, self.model_id, self.policy, self.store,
+                                        {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served",
+                                         "session_id": sid})
+            self._remember(session)
+            return session, turn.wanted[-1:], True
+        self._owned(sid, turn.owner)
+        if turn.retried:
+            session = self._live(sid)
+            session.catch_up()  # a turn another replica left pending is answered first
+            if answered(session, turn.wanted, turn.tools):
+                return session, [], False
+        new = unseen((self.store, sid), turn.wanted, turn.tools)
+        if new is None:
+            raise Conflict(f"session {sid}: its stored messages are not a proper prefix of the request's messages")
+        return self._live(sid), new, False
+
     @contextlib.contextmanager
     def _hold(self, session_id: str) -> Iterator[None]:
         """This thread alone runs turns of ``session_id`` until the block ends (others wait)."""
@@ -271,29 +345,6 @@ class Service:
                 claim.users -= 1
                 if not claim.users:
                     del self._claims[session_id]
-
-    def _continued(self, turn: TurnRequest) -> tuple[str, list[Message]] | None:
-        """The caller's session holding the longest proper prefix of the request, by content hash, then by view."""
-        heads, prev = {}, GENESIS
-        for seq, msg in enumerate(turn.wanted[:-1], 1):
-            prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
-            heads[prev] = seq
-        hits = self.store.sessions_at_head(turn.owner, list(heads), model_id=self.model_id,
-                                           policy_sha256=self.policy.sha256)
-        for hit in sorted(hits, key=lambda h: -heads[h["head_hash"]]):
-            new = unseen((self.store, hit["id"]), turn.wanted, turn.tools)
-            if new is not None:
-                return hit["id"], new
-        best: tuple[str, list[Message]] | None = None
-        rows = self.store.list_sessions(owner=turn.owner, any_owner=False)
-        for row in sorted(rows, key=lambda r: (_utc(r["updated_at"]), r["id"]), reverse=True)[:SCAN_RECENT]:
-            if row["model_id"] != self.model_id or row["policy_sha256"] != self.policy.sha256:
-                continue
-            new = unseen((self.store, row["id"]), turn.wanted, turn.tools)
-            # an empty stored prefix (a session whose turns were all abandoned) continues nothing
-            if new is not None and len(new) < len(turn.wanted) and (best is None or len(new) < len(best[1])):
-                best = (row["id"], new)
-        return best
 
     def _live(self, session_id: str) -> Session:
         """The live session (the caller holds it, :meth:`_hold`), opened from the store when it is not live."""
@@ -313,21 +364,6 @@ class Service:
                 _release(self.live.pop(sid))  # rebuilt exactly from the store when next used
 
     # ------------------------------------------------------------------ session endpoints
-
-    def _owned(self, session_id: str, owner: str | None) -> dict:
-        """The session row, if it exists and belongs to ``owner``; else :class:`NotFound` (ids leak nothing)."""
-        try:
-            row = self.store.get_session(session_id)
-        except StoreError:
-            raise NotFound(f"no session {session_id!r}") from None
-        if row.get("owner") != owner:
-            raise NotFound(f"no session {session_id!r}")
-        return row
-
-    def sessions(self, owner: str | None) -> list[dict]:
-        return [{"id": r["id"], "object": "session", "created_at": int(_utc(r["created_at"]).timestamp()),
-                 "model": r["model_id"], "title": r["title"], "turns": r["turns_done"], "messages": r["messages"]}
-                for r in self.store.list_sessions(owner=owner, any_owner=False)]
 
     def show(self, session_id: str, owner: str | None) -> dict:
         from .. import audit

@@ -5,6 +5,6 @@ This subpackage never imports torch, so workers that only read or audit sessions
 
 from .hashing import message_hash
 from .locks import LockTimeout
-from .store import SessionStore, StoreError, default_url
+from .store import SessionStore, StoreError, default_url, is_session_id
 
-__all__ = ["LockTimeout", "SessionStore", "StoreError", "default_url", "message_hash"]
+__all__ = ["LockTimeout", "SessionStore", "StoreError", "default_url", "is_session_id", "message_hash"]

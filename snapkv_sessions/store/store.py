@@ -26,6 +26,16 @@ from .locks import redis_lock, sql_lock
 from .migrations import migrate, reseal
 
 
+def is_session_id(value: object) -> bool:
+    """Whether ``value`` is a session id as the store makes them: a UUID in canonical (lower-case, hyphenated) form."""
+    if not isinstance(value, str) or len(value) != 36:
+        return False
+    try:
+        return str(uuid.UUID(value)) == value
+    except ValueError:
+        return False
+
+
 class StoreError(SnapKVError, LookupError):
     """A session, turn or message is missing or inconsistent."""
 
@@ -202,20 +212,24 @@ class SessionStore:
     # ------------------------------------------------------------------ sessions
 
     def create_session(self, model_id: str, policy_json: str, policy_sha256: str, title: str | None = None,
-                       meta: dict | None = None, *, thread_id: str | None = None, owner: str | None = None) -> str:
+                       meta: dict | None = None, *, thread_id: str | None = None, owner: str | None = None,
+                       session_id: str | None = None) -> str:
         """A new, empty session; returns its id.
 
         ``thread_id`` ties it to an agent framework's conversation (LangChain's ``thread_id``), found again with
         :meth:`session_for_thread` through an index. ``owner``: who may use it (the server stores a digest of the
-        API key that created it), found again with :meth:`sessions_at_head`.
+        API key that created it), found again with :meth:`sessions_at_head`. ``session_id``: the id to give it (a
+        UUID, in its canonical form), for a router that must name a session before it exists; default a new one.
         """
+        if session_id is not None and not is_session_id(session_id):
+            raise ConfigError("session_id", str(session_id)[:80], "must be a UUID in canonical form")
         if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 64):
             raise ConfigError("owner", owner, "must be a non-empty string of at most 64 characters")
         if thread_id is not None and (not isinstance(thread_id, str) or not thread_id
                                       or len(thread_id) > schema.sessions.c.thread_id.type.length):
             raise ConfigError("thread_id", thread_id,
                               f"must be a non-empty string of at most {schema.sessions.c.thread_id.type.length} characters")
-        sid = str(uuid.uuid4())
+        sid = session_id or str(uuid.uuid4())
         now = _now()
         with self.engine.begin() as conn:
             conn.execute(insert(schema.sessions).values(
@@ -273,6 +287,11 @@ class SessionStore:
         q = q.order_by(cols.updated_at.desc(), cols.id.desc())
         with self.engine.connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
+
+    def session_exists(self, session_id: str) -> bool:
+        with self.engine.connect() as conn:
+            found = conn.execute(select(schema.sessions.c.id).where(schema.sessions.c.id == session_id)).first()
+        return found is not None
 
     def get_session(self, session_id: str) -> dict:
         with self.engine.connect() as conn:

@@ -1,0 +1,324 @@
+"""The server as a Ray Serve application: replicas of the engine, session affinity, exact failover from the store.
+
+``snapkv-sessions serve --ray --replicas N`` (or ``serve run`` / ``serve deploy`` with a config file naming
+:func:`build`) runs two deployments:
+
+* **Ingress** (one replica, no model): the same OpenAI-compatible routes as the single-process server. It checks a
+  request, finds the session it continues with the store's indexes (:class:`~.service.Router`), or names a new one
+  (a fresh UUID), and sends the turn to the engine with the session id as Ray Serve's *multiplexed model id*.
+* **Engine** (``replicas`` replicas): a :class:`~.service.Service` each, with its model, scheduler and decode slots.
+  Ray Serve's multiplexing routes a session to the replica that served it last; a replica keeps its
+  ``sessions_per_replica`` most recent sessions (Ray's LRU and the service's live set agree) and a session that
+  arrives without its cache (a first visit, or its replica died) is rebuilt exactly from the store.
+
+Shared state is the store (PostgreSQL for several replicas) and its locks (Redis when given, PostgreSQL advisory
+locks otherwise): two replicas never run a turn of one session at once. When a replica dies mid-turn the ingress
+sends the request again, marked as a retry, to a live replica: a turn the dead one had committed and finished is
+answered from the store, one it left pending is answered as the session opens (the store's pending rules), one it
+never committed runs. No turn is lost or run twice (``tests/test_ray.py``). Requests and replies cross Ray as JSON
+(``orjson``), never pickled.
+
+Everything binds where it is told: :func:`start_local` starts Ray on 127.0.0.1 with usage stats and the dashboard
+off.
+"""
+
+import asyncio
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+try:
+    import ray
+    from ray import serve
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"snapkv_sessions.serve.ray needs {exc.name!r}: pip install 'snapkv-sessions[ray]'") from exc
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from ..errors import ConfigError
+from . import protocol
+from .app import SESSION_HEADER, ApiError, as_api_error, authorize, completion_body, end_chunks, read_body, stream_end
+from .service import Capacity, Router, Service
+from .worker import DeadlineExceeded, Job
+
+REPLICA_HEADER = "X-Replica"
+WIRE = {"request_serialization": "orjson", "response_serialization": "orjson"}  # JSON on the wire, never pickle
+RETRIES = 4  # attempts of a request whose replica died; the router learns of a death within a few seconds
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    """One Ray Serve deployment of the server.
+
+    model: the model every replica loads (a bundle or hub name); policy: the policy of new sessions; db: the store's
+    SQLAlchemy URL (PostgreSQL for several replicas); redis_url: Redis for locks and hot state (optional).
+    replicas: engine replicas; sessions_per_replica: sessions a replica keeps hot (Ray Serve's
+    ``max_num_models_per_replica``); batch: decode slots per replica; max_tokens: the reply cap of a request that
+    names none; api_keys: bearer keys (empty: local use); request_timeout_s: a request's deadline;
+    torch_threads: intra-op threads per replica (None: torch's default).
+    """
+
+    model: str
+    db: str
+    policy: str | dict | None = None
+    redis_url: str | None = None
+    replicas: int = 2
+    sessions_per_replica: int = 16
+    batch: int = 8
+    max_tokens: int = 256
+    api_keys: tuple[str, ...] = ()
+    request_timeout_s: float = 600.0
+    torch_threads: int | None = None
+    max_body_bytes: int = 8 << 20
+    extra_actor_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, least in (("replicas", 1), ("sessions_per_replica", 1), ("batch", 0), ("max_tokens", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(name, value, f"must be an int >= {least}")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+
+    @classmethod
+    def coerce(cls, spec: "RaySpec | dict") -> "RaySpec":
+        return spec if isinstance(spec, RaySpec) else cls(**spec)
+
+
+def build(spec: RaySpec | dict):
+    """The Ray Serve application (ingress bound to the engine replicas); also the builder a Serve config names
+    (``import_path: snapkv_sessions.serve.ray:build``, ``args:`` the :class:`RaySpec` fields)."""
+    spec = RaySpec.coerce(spec)
+    engine = _engine_deployment(spec)
+    ingress = _ingress_deployment(spec)
+    return ingress.bind(engine.bind(asdict(spec)), asdict(spec))
+
+
+def start_local(port: int, num_cpus: int | None = None) -> None:
+    """Start Ray on this machine bound to 127.0.0.1 (usage stats and the dashboard off) and Serve's HTTP proxy on
+    ``127.0.0.1:port``."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if not ray.is_initialized():
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False,
+                 configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- the engine replicas
+
+
+def _engine_deployment(spec: RaySpec):
+    @serve.deployment(name="Engine", num_replicas=spec.replicas, max_ongoing_requests=max(spec.batch, 1) * 2,
+                      ray_actor_options={"num_cpus": 0, **spec.extra_actor_options})
+    class Engine:
+        """One replica: a model, its scheduler and slots, its live sessions."""
+
+        def __init__(self, raw: dict) -> None:
+            self.spec = RaySpec.coerce(raw)
+            if self.spec.torch_threads:
+                import torch
+
+                torch.set_num_threads(self.spec.torch_threads)
+            from ..store import SessionStore
+
+            store = SessionStore(self.spec.db, redis_url=self.spec.redis_url)
+            capacity = Capacity(max_live=self.spec.sessions_per_replica, max_tokens=self.spec.max_tokens,
+                                batch=self.spec.batch)
+            self.service = Service(self.spec.model, self.spec.policy, store, capacity)
+            self.name = serve.get_replica_context().replica_id.to_full_id_str()
+
+        @serve.multiplexed(max_num_models_per_replica=spec.sessions_per_replica)
+        async def session(self, session_id: str) -> str:
+            """Ray Serve's affinity marker for a session: the router sends its requests here while it is listed.
+            The session itself is opened (rebuilt from the store) by the turn that needs it."""
+            return session_id
+
+        async def _prepare(self, call: dict):
+            session_id = serve.get_multiplexed_model_id()
+            await self.session(session_id)
+            req = protocol.parse(call["body"])
+            turn = self.service.prepare(req, call["owner"], session_id)
+            turn.create, turn.retried = bool(call["create"]), bool(call["retried"])
+            return req, turn, Job(lambda _job: None, time.monotonic() + self.spec.request_timeout_s)
+
+        async def turn(self, call: dict) -> dict:
+            """One turn: ``call`` holds the request's JSON body, the owner, and the routing the ingress chose."""
+            try:
+                req, turn, job = await self._prepare(call)
+                out = await asyncio.to_thread(self.service.chat, turn, job)
+            except Exception as exc:  # noqa: BLE001 - the ingress answers it as the single-process server would
+                return {"error": _error(exc), "replica": self.name}
+            return {"completion": completion_body(out, req.model), "session_id": out.session_id,
+                    "replica": self.name}
+
+        async def turn_stream(self, call: dict):
+            """One streamed turn: ``{"replica"}`` first, then ``{"piece"}`` items, then ``{"end"}``
+            (:func:`~.app.stream_end`) or ``{"error"}``. Closed early (the client left), its turn is abandoned."""
+            yield {"replica": self.name}
+            loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+            try:
+                req, turn, job = await self._prepare(call)
+            except Exception as exc:  # noqa: BLE001 - as above
+                yield {"error": _error(exc)}
+                return
+
+            def emit(text: str) -> None:
+                loop.call_soon_threadsafe(pieces.put_nowait, {"piece": text})
+
+            async def run() -> None:
+                try:
+                    out = await asyncio.to_thread(self.service.stream, turn, job, emit)
+                    end = {"end": stream_end(out)} if out is not None else {"error": _error(TimeoutError())}
+                except Exception as exc:  # noqa: BLE001 - as above
+                    end = {"error": _error(exc)}
+                await pieces.put(end)
+
+            task = asyncio.create_task(run())
+            try:
+                while True:
+                    item = await pieces.get()
+                    yield item
+                    if "piece" not in item:
+                        return
+            finally:
+                job.cancelled.set()  # a stream left early stops its turn, which is then abandoned cleanly
+                await asyncio.shield(task)
+
+    return Engine
+
+
+def _error(exc: BaseException) -> dict:
+    if isinstance(exc, TimeoutError):
+        exc = DeadlineExceeded("the request ran past its deadline; its turn was abandoned")
+    err = as_api_error(exc)
+    return {"status": err.status, "message": str(err), "kind": err.kind, "param": err.param, "code": err.code}
+
+
+# ---------------------------------------------------------------------- the ingress
+
+
+def _ingress_deployment(spec: RaySpec):
+    app = FastAPI(title="snapkv-sessions (Ray Serve)")
+
+    @serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    @serve.ingress(app)
+    class Ingress:
+        """OpenAI-compatible routes; finds each request's session and sends its turn to the engine replicas."""
+
+        def __init__(self, engine, raw: dict) -> None:
+            from ..store import SessionStore
+
+            self.spec = RaySpec.coerce(raw)
+            self.engine = engine.options(**WIRE)
+            self.keys = frozenset(self.spec.api_keys)
+            store = SessionStore(self.spec.db, redis_url=self.spec.redis_url)
+            self.router = Router(self.spec.model, self.spec.policy, store, self.spec.max_tokens)
+
+        @app.get("/v1/models")
+        async def models(self, request: Request) -> JSONResponse:
+            try:
+                authorize(request, self.keys)
+            except ApiError as exc:
+                return exc.response()
+            return JSONResponse({"object": "list", "data": [{"id": self.router.model_id, "object": "model",
+                                                             "created": 0, "owned_by": "snapkv-sessions"}]})
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(self, request: Request) -> JSONResponse:
+            try:
+                owner = authorize(request, self.keys)
+                body = await read_body(request, self.spec.max_body_bytes)
+                req = protocol.parse(body)
+                turn = self.router.prepare(req, owner, request.headers.get(SESSION_HEADER))
+                session_id, create = await asyncio.to_thread(self._route, turn)
+                call = {"body": body, "owner": owner, "create": create}
+                if req.stream:
+                    return await self._stream(call, session_id, req)
+                reply = await self._send(call, session_id)
+            except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error body
+                return as_api_error(exc).response()
+            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: reply["replica"]}
+            if "error" in reply:
+                err = reply["error"]
+                return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"],
+                                headers).response()
+            return JSONResponse(reply["completion"], headers=headers)
+
+        def _route(self, turn) -> tuple[str, bool]:
+            """The session id the turn goes to, and whether it is a new one the engine creates under that id."""
+            if turn.session_id is not None:
+                self.router._owned(turn.session_id, turn.owner)
+                return turn.session_id, False
+            found = self.router._continued(turn)
+            if found is not None:
+                return found[0], False
+            return str(uuid.uuid4()), True
+
+        async def _stream(self, call: dict, session_id: str, req):
+            """A streamed turn as SSE. A replica that dies before the turn's first piece is retried as
+            :meth:`_send` does; one that dies after it ends the stream with an error (the client saw a partial
+            reply; sending the whole conversation again continues the session from what the store holds)."""
+            for attempt in range(RETRIES):
+                items = self.engine.options(multiplexed_model_id=session_id, stream=True).turn_stream.remote(
+                    {**call, "retried": attempt > 0})
+                try:
+                    head = await items.__anext__()  # {"replica"}: the replica took the turn
+                    first = await items.__anext__()
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    if attempt == RETRIES - 1:
+                        raise
+                    await asyncio.sleep(1.0 + attempt)
+            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: head["replica"]}
+            if "error" in first:
+                err = first["error"]
+                return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"],
+                                headers).response()
+            cid = protocol.completion_id()
+
+            async def events():
+                yield {"data": json.dumps(protocol.chunk(cid, req.model, {"role": "assistant", "content": ""}))}
+                item = first
+                try:
+                    while True:
+                        if "piece" in item:
+                            yield {"data": json.dumps(protocol.chunk(cid, req.model, {"content": item["piece"]}))}
+                        elif "end" in item:
+                            for data in end_chunks(item["end"], req, cid):
+                                yield {"data": data}
+                            return
+                        else:
+                            yield {"data": json.dumps(protocol.error(item["error"]["message"], item["error"]["kind"]))}
+                            return
+                        item = await items.__anext__()
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, StopAsyncIteration):
+                    yield {"data": json.dumps(protocol.error("the replica serving this turn stopped", "server_error"))}
+                finally:
+                    items.cancel()  # the client left early: the replica's stream closes and abandons the turn
+
+            return EventSourceResponse(events(), headers=headers, ping=15)
+
+        async def _send(self, call: dict, session_id: str) -> dict:
+            """The turn on the replica that holds the session; when that replica dies, again (as a retry) on one
+            that lives, which answers from the store what the dead one did."""
+            for attempt in range(RETRIES):
+                try:
+                    return await self.engine.options(multiplexed_model_id=session_id).turn.remote(
+                        {**call, "retried": attempt > 0})
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    if attempt == RETRIES - 1:
+                        raise
+                    await asyncio.sleep(1.0 + attempt)
+            raise AssertionError("unreachable")
+
+    return Ingress

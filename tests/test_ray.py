@@ -1,0 +1,155 @@
+"""The server as a Ray Serve application (issue 18): a local Ray cluster on 127.0.0.1, two engine replicas of
+SmolLM2, PostgreSQL as the store, driven by the official `openai` client.
+
+Each session's turns are served by one replica (named in a response header); killing a replica mid-run, its
+sessions go on on the other replica with the replies of an uninterrupted run, no turn lost or run twice, and every
+session's replay verifies clean.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+from conftest import PG_URL, bundle_available, pg_store
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from snapkv_sessions.serve.ray import REPLICA_HEADER, RaySpec, build, free_port, start_local  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+TURNS = ["Name three rivers in Europe.", "Which of them is the longest?", "Say one thing about it."]
+POLICY = {"compression": {"budget": 96, "window": 8}, "drift": {"embedder": "none"}}
+pytestmark = [pytest.mark.slow, pytest.mark.bundle]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    pg_store()  # skips without PostgreSQL
+    from ray import serve
+
+    port = free_port()
+    start_local(port, num_cpus=2)
+    spec = RaySpec(model=MODEL, db=PG_URL, policy=POLICY, replicas=2, sessions_per_replica=4, batch=4,
+                   max_tokens=12, api_keys=(KEY_A, KEY_B), torch_threads=1)
+    serve.run(build(spec), name="snapkv", route_prefix="/")
+    yield f"http://127.0.0.1:{port}/v1"
+    serve.shutdown()
+    ray.shutdown()
+
+
+# keys of this run alone: the shared database holds other runs' sessions, which a key scopes away
+KEY_A, KEY_B = f"ray-key-a-{uuid.uuid4().hex}", f"ray-key-b-{uuid.uuid4().hex}"
+
+
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=300)
+
+
+def _conversation(url: str, key: str, i: int, on_turn=None) -> dict:
+    """One client's three turns (greedy), each sending the whole conversation; the replies, the session and the
+    replica of every turn."""
+    client = _client(url, key)
+    messages = [{"role": "system", "content": f"You are assistant {i}. Be brief."}]
+    out = {"replies": [], "sessions": [], "replicas": []}
+    for t, question in enumerate(TURNS):
+        messages.append({"role": "user", "content": question})
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8 + i)
+        reply = raw.parse()
+        out["replies"].append(reply.choices[0].message.content)
+        out["sessions"].append(raw.headers["x-session-id"])
+        out["replicas"].append(raw.headers[REPLICA_HEADER.lower()])
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if on_turn is not None:
+            on_turn(i, t, out)
+    return out
+
+
+def _run_all(url: str, key: str, on_turn=None) -> dict[int, dict]:
+    results, errors = {}, []
+
+    def work(i: int) -> None:
+        try:
+            results[i] = _conversation(url, key, i, on_turn)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    return results
+
+
+def test_sessions_stick_to_a_replica_and_survive_one_dying(cluster):
+    from snapkv_sessions import audit
+    from snapkv_sessions.models import runner_for
+
+    steady = _run_all(cluster, KEY_A)
+    for out in steady.values():
+        assert len(set(out["sessions"])) == 1  # one session per conversation
+        assert len(set(out["replicas"])) == 1  # served by one replica (affinity)
+
+    killed: list[str] = []
+    lock = threading.Lock()
+
+    def kill_after_first_turn(i: int, t: int, out: dict) -> None:
+        with lock:
+            if t == 0 and not killed:  # while the other clients are mid-run
+                killed.append(out["replicas"][0])
+                ray.kill(ray.get_actor(out["replicas"][0], namespace="serve"), no_restart=False)
+
+    failover = _run_all(cluster, KEY_B, kill_after_first_turn)
+    assert killed
+    moved = [out for out in failover.values() if killed[0] in out["replicas"]]
+    assert moved and any(len(set(out["replicas"])) == 2 for out in moved)  # some session went on elsewhere
+    for i in range(4):
+        assert failover[i]["replies"] == steady[i]["replies"]  # as if nothing had happened
+        assert len(set(failover[i]["sessions"])) == 1
+
+    store = pg_store()
+    runner, _ = runner_for(MODEL)
+    for out in failover.values():
+        sid = out["sessions"][0]
+        turns = store.turns(sid)
+        assert [t["status"] for t in turns] == ["done"] * 3  # no turn lost, none run twice
+        assert [m["role"] for m in store.messages(sid)] == ["system"] + ["user", "assistant"] * 3
+        result = audit.verify(store, sid, runner)
+        assert result.ok, result.mismatch
+
+
+def test_the_ingress_answers_errors_like_the_single_process_server(cluster):
+    import httpx
+
+    res = httpx.post(f"{cluster}/chat/completions", json={"model": MODEL, "messages": []},
+                     headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "messages"
+    res = httpx.get(f"{cluster}/models", timeout=60)
+    assert res.status_code == 401
+    other = str(uuid.uuid4())
+    res = httpx.post(f"{cluster}/chat/completions", headers={"Authorization": f"Bearer {KEY_A}", "X-Session-Id": other},
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+    assert res.status_code == 404 and res.json()["error"]["code"] == "session_not_found"
+    assert os.environ.get("RAY_USAGE_STATS_ENABLED") == "0"
+
+
+def test_streamed_turns_through_the_ingress_equal_whole_ones(cluster):
+    client = _client(cluster, KEY_A)
+    messages = [{"role": "system", "content": f"You are terse ({uuid.uuid4().hex[:6]})."},
+                {"role": "user", "content": TURNS[0]}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10).choices[0].message.content
+    other = _client(cluster, KEY_B)  # another owner: a session of its own
+    pieces, usage = [], None
+    for chunk in other.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                               stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == whole and usage is not None and usage.completion_tokens > 0
