@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 
 import click
 
@@ -307,6 +308,31 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weigh
     _emit(result, out, as_json, serve_bench.table, bulky="turns")
 
 
+@bench.command("ray")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--db", required=True, help="The store both servers share (PostgreSQL URL).")
+@click.option("--replicas", default=1, show_default=True, help="Engine replicas of the Ray application.")
+@click.option("--clients", default="4", show_default=True, help="Concurrent clients, one level per value.")
+@click.option("--turns", default=3, show_default=True, help="Turns per client (each a streamed request).")
+@click.option("--max-tokens", default=32, show_default=True, help="Reply cap per turn.")
+@click.option("--batch", default=8, show_default=True, help="Decode slots of every server.")
+@click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
+@click.option("--policy", default=None, help="Policy for the servers' sessions (name or YAML path).")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_ray(model, db, replicas, clients, turns, max_tokens, batch, budget, policy, out, as_json) -> None:
+    """The Ray Serve application against the single-process server (the routing overhead), and the rebuild time of
+    a session from the store against its live prefill time."""
+    from .bench import ray as ray_bench
+    from .bench.serve import ServeBench
+
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    spec = ServeBench(model, _int_list("clients", clients), turns, max_tokens, (batch,), 16, policy, budget)
+    result = ray_bench.run(spec, db, replicas, log=log)
+    _emit(result, out, as_json, ray_bench.table, bulky="none")
+
+
 def _int_list(name: str, text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -594,14 +620,23 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
               help="Decode slots: turns decoded together in one forward per step (0: one turn at a time).")
 @click.option("--packed-weights", is_flag=True,
               help="CPU, fp32: run linear layers on weights packed once (faster batched steps; equal to rounding).")
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Run as a Ray Serve application on a local Ray started on 127.0.0.1 (docs/ray.md).")
+@click.option("--replicas", default=2, show_default=True, help="With --ray: engine replicas.")
 @clean_errors
 def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
-          max_live, max_body_mb, batch, packed_weights) -> None:
+          max_live, max_body_mb, batch, packed_weights, on_ray, replicas) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     keys = _api_keys(api_keys, api_key_file)
     if not keys and host not in LOOPBACK:
         click.echo(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it "
                    "can use and read every session", err=True)
+    if on_ray:
+        _serve_ray({"model": model, "db": db, "policy": policy, "redis_url": redis_url, "replicas": replicas,
+                    "sessions_per_replica": max_live, "batch": batch, "max_tokens": max_tokens,
+                    "api_keys": tuple(keys), "request_timeout_s": request_timeout,
+                    "max_body_bytes": int(max_body_mb * (1 << 20))}, host, port)
+        return
     try:
         import uvicorn
 
@@ -617,6 +652,30 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
                                            max_body_bytes=int(max_body_mb * (1 << 20))))
     click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+
+
+def _serve_ray(spec: dict, host: str, port: int) -> None:
+    """The server as a Ray Serve application on a local Ray (127.0.0.1), until interrupted."""
+    if host not in LOOPBACK:
+        raise click.ClickException(f"--host {host}: with --ray the local cluster binds 127.0.0.1; for a cluster "
+                                   "across machines deploy the Serve config file (docs/ray.md)")
+    if not spec["db"] or not str(spec["db"]).startswith(("postgresql", "sqlite")):
+        raise click.ClickException("--db: with --ray give the store's SQLAlchemy URL (PostgreSQL for several "
+                                   "replicas on several machines)")
+    try:
+        from ray import serve as ray_serve
+
+        from .serve.ray import build, start_local
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    start_local(port)
+    ray_serve.run(build(spec), name="snapkv", route_prefix="/")
+    click.echo(f"serving {spec['model']} on http://127.0.0.1:{port}/v1 ({spec['replicas']} replicas)", err=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        ray_serve.shutdown()
 
 
 @main.command("resolve")

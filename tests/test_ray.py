@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import PG_URL, bundle_available, pg_store
@@ -153,3 +154,33 @@ def test_streamed_turns_through_the_ingress_equal_whole_ones(cluster):
             pieces.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
     assert "".join(pieces) == whole and usage is not None and usage.completion_tokens > 0
+
+
+def test_the_serve_config_file_builds_the_application():
+    import yaml
+
+    from snapkv_sessions.errors import ConfigError
+
+    cfg = yaml.safe_load((Path(__file__).parents[1] / "deploy" / "ray-serve.yaml").read_text())
+    app = cfg["applications"][0]
+    assert app["import_path"] == "snapkv_sessions.serve.ray:build" and cfg["http_options"]["host"] == "127.0.0.1"
+    assert RaySpec.coerce(app["args"]).replicas == 2
+    build(app["args"])  # every argument is a RaySpec field; nothing starts
+    with pytest.raises(ConfigError, match="replicas"):
+        build({**app["args"], "replicas": 0})
+    with pytest.raises(ConfigError, match="is not a RaySpec field"):
+        build({**app["args"], "replicaz": 2})
+    with pytest.raises(ConfigError, match="db"):
+        build({"model": MODEL})
+
+
+def test_serve_ray_refuses_a_public_host_and_a_missing_store():
+    from click.testing import CliRunner
+
+    from snapkv_sessions.cli import main
+
+    res = CliRunner().invoke(main, ["serve", "--ray", "--model", MODEL, "--host", "0.0.0.0", "--db", PG_URL,
+                                    "--api-key", KEY_A])
+    assert res.exit_code != 0 and "binds 127.0.0.1" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["serve", "--ray", "--model", MODEL])
+    assert res.exit_code != 0 and "--db" in res.output

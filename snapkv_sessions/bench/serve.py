@@ -38,6 +38,7 @@ class TurnTiming:
     completion_tokens: int
     prompt_tokens: int
     decoding: tuple[float, float] | None = None  # (first, last) content piece, perf_counter seconds
+    session_id: str | None = None  # the session that served the turn
 
 
 def start_server(model: str, folder: Path, *args: str, wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
@@ -72,7 +73,7 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    t0, first, last, text, usage = time.perf_counter(), None, None, [], {}
+    t0, first, last, text, usage, session_id = time.perf_counter(), None, None, [], {}, None
     with httpx.stream("POST", f"{url}/chat/completions", json=body, headers=headers, timeout=600) as res:
         if res.status_code != 200:
             res.read()
@@ -82,6 +83,7 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
                 continue
             chunk = json.loads(line[5:])
             usage = chunk.get("usage") or usage
+            session_id = chunk.get("session_id") or session_id
             piece = (chunk.get("choices") or [{}])[0].get("delta", {}).get("content")
             if piece:
                 now = time.perf_counter()
@@ -92,7 +94,7 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
     ttft = None if first is None else (first - t0) * 1e3
     tpot = None if first is None or n < 2 else (last - first) * 1e3 / (n - 1)
     span = None if first is None or n < 2 else (first, last)
-    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0), span), "".join(text)
+    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0), span, session_id), "".join(text)
 
 
 def document(client: int, tokens: int) -> str:

@@ -86,7 +86,19 @@ class RaySpec:
 
     @classmethod
     def coerce(cls, spec: "RaySpec | dict") -> "RaySpec":
-        return spec if isinstance(spec, RaySpec) else cls(**spec)
+        """A spec from itself or from a mapping (a Serve config's ``args``); an unknown key is a clear error."""
+        if isinstance(spec, RaySpec):
+            return spec
+        if not isinstance(spec, dict):
+            raise ConfigError("args", type(spec).__name__, "must be a mapping of RaySpec fields")
+        known = set(cls.__dataclass_fields__)
+        for key in spec:
+            if key not in known:
+                raise ConfigError(str(key)[:80], spec[key], f"is not a RaySpec field (one of {sorted(known)})")
+        for key in ("model", "db"):
+            if not isinstance(spec.get(key), str) or not spec[key]:
+                raise ConfigError(key, spec.get(key), "is required (a string)")
+        return cls(**spec)
 
 
 def build(spec: RaySpec | dict):
