@@ -216,7 +216,8 @@ class Session:
         text = cut_at_stop(content, (row["generation"] or {}).get("stop") or ())  # as the live reply showed it
         pending = list(row["pending_tokens"] or [])
         tokens = list(row["decode_tokens"] or []) + (pending if row["stop_reason"] != "eos" else [])
-        context = max((seg[2] for seg in row["segments"] or []), default=0) + len(pending)
+        plan = TurnPlan.from_record(row["segments"], row["prefill_tokens"])
+        context = plan.first_position + len(plan.tokens) + len(row["decode_tokens"] or []) + len(pending)
         return Reply(text=text, turn=turn, session_id=self.id, token_ids=tokens,
                      prompt_tokens=len(row["prefill_tokens"] or []), completion_tokens=len(tokens),
                      context_tokens=context, cache_tokens=[], kept_per_role=row["kept_per_role"] or {},

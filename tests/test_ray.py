@@ -19,7 +19,7 @@ from conftest import PG_URL, bundle_available, pg_store
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from snapkv_sessions.serve.ray import REPLICA_HEADER, RaySpec, build, free_port, start_local  # noqa: E402
+from snapkv_sessions.serve.ray import ATTEMPTS_HEADER, REPLICA_HEADER, RaySpec, build, free_port, start_local  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 TURNS = ["Name three rivers in Europe.", "Which of them is the longest?", "Say one thing about it."]
@@ -57,7 +57,7 @@ def _conversation(url: str, key: str, i: int, on_turn=None) -> dict:
     replica of every turn."""
     client = _client(url, key)
     messages = [{"role": "system", "content": f"You are assistant {i}. Be brief."}]
-    out = {"replies": [], "sessions": [], "replicas": []}
+    out = {"replies": [], "sessions": [], "replicas": [], "attempts": []}
     for t, question in enumerate(TURNS):
         messages.append({"role": "user", "content": question})
         raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8 + i)
@@ -65,6 +65,7 @@ def _conversation(url: str, key: str, i: int, on_turn=None) -> dict:
         out["replies"].append(reply.choices[0].message.content)
         out["sessions"].append(raw.headers["x-session-id"])
         out["replicas"].append(raw.headers[REPLICA_HEADER.lower()])
+        out["attempts"].append(int(raw.headers[ATTEMPTS_HEADER.lower()]))
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
         if on_turn is not None:
             on_turn(i, t, out)
@@ -101,14 +102,16 @@ def test_sessions_stick_to_a_replica_and_survive_one_dying(cluster):
     killed: list[str] = []
     lock = threading.Lock()
 
-    def kill_after_first_turn(i: int, t: int, out: dict) -> None:
+    def kill_during_second_turn(i: int, t: int, out: dict) -> None:
         with lock:
-            if t == 0 and not killed:  # while the other clients are mid-run
+            if t == 0 and not killed:  # the replica of this session dies while its next turn runs there
                 killed.append(out["replicas"][0])
-                ray.kill(ray.get_actor(out["replicas"][0], namespace="serve"), no_restart=False)
+                actor = ray.get_actor(out["replicas"][0], namespace="serve")
+                threading.Timer(0.3, lambda: ray.kill(actor, no_restart=False)).start()
 
-    failover = _run_all(cluster, KEY_B, kill_after_first_turn)
+    failover = _run_all(cluster, KEY_B, kill_during_second_turn)
     assert killed
+    assert max(a for out in failover.values() for a in out["attempts"]) > 1  # a request was sent again
     moved = [out for out in failover.values() if killed[0] in out["replicas"]]
     assert moved and any(len(set(out["replicas"])) == 2 for out in moved)  # some session went on elsewhere
     for i in range(4):

@@ -20,7 +20,7 @@ from conftest import bundle_available
 openai = pytest.importorskip("openai")
 
 from snapkv_sessions.bench.serve import start_server  # noqa: E402
-from snapkv_sessions.serve.worker import Busy, DeadlineExceeded, Worker  # noqa: E402
+from snapkv_sessions.serve.worker import Busy, DeadlineExceeded, Job, Worker  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 KEY_A, KEY_B = "key-a-" + "a" * 20, "key-b-" + "b" * 20
@@ -467,3 +467,37 @@ def test_a_full_queue_refuses_at_once_and_a_late_job_never_starts():
     finally:
         gate.set()
         worker.close()
+
+
+def test_a_retried_request_that_ran_gets_the_stored_reply_and_no_second_turn(tmp_path):
+    """What a router does when a replica died after running a turn: the request is sent again, marked as a retry,
+    under the session id it chose; the reply comes from the store, equal to the first, and no turn runs twice."""
+    import uuid
+
+    from snapkv_sessions.serve import protocol
+    from snapkv_sessions.serve.service import Capacity, Conflict, Service
+    from snapkv_sessions.store import SessionStore
+
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    service = Service(MODEL, POLICY, SessionStore(f"sqlite:///{tmp_path}/s.db"), Capacity(batch=2))
+    body = {"model": MODEL, "max_tokens": 6, "stop": ["."],
+            "messages": [SYSTEM, {"role": "user", "content": "Name a river in Europe."}]}
+    sid = str(uuid.uuid4())
+
+    def send(create: bool, retried: bool):
+        turn = service.prepare(protocol.parse(body), None, sid)
+        turn.create, turn.retried = create, retried
+        return service.chat(turn, Job(lambda _job: None, time.monotonic() + 120))
+
+    try:
+        first = send(create=True, retried=False)
+        again = send(create=True, retried=True)
+        assert (again.content, again.finish, again.session_id) == (first.content, first.finish, sid)
+        assert (again.reply.turn, again.reply.token_ids, again.reply.context_tokens) == (
+            first.reply.turn, first.reply.token_ids, first.reply.context_tokens)
+        assert [t["status"] for t in service.store.turns(sid)] == ["done"]
+        with pytest.raises(Conflict):  # the same request, not marked as a retry, continues nothing
+            send(create=False, retried=False)
+    finally:
+        service.close()

@@ -47,6 +47,7 @@ from .service import Capacity, Router, Service
 from .worker import DeadlineExceeded, Job
 
 REPLICA_HEADER = "X-Replica"
+ATTEMPTS_HEADER = "X-Attempts"  # 2 and more: a replica died and the request was sent again
 WIRE = {"request_serialization": "orjson", "response_serialization": "orjson"}  # JSON on the wire, never pickle
 RETRIES = 4  # attempts of a request whose replica died; the router learns of a death within a few seconds
 
@@ -259,7 +260,8 @@ def _ingress_deployment(spec: RaySpec):
                 reply = await self._send(call, session_id)
             except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error body
                 return as_api_error(exc).response()
-            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: reply["replica"]}
+            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: reply["replica"],
+                       ATTEMPTS_HEADER: str(reply["attempts"])}
             if "error" in reply:
                 err = reply["error"]
                 return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"],
@@ -291,7 +293,7 @@ def _ingress_deployment(spec: RaySpec):
                     if attempt == RETRIES - 1:
                         raise
                     await asyncio.sleep(1.0 + attempt)
-            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: head["replica"]}
+            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: head["replica"], ATTEMPTS_HEADER: str(attempt + 1)}
             if "error" in first:
                 err = first["error"]
                 return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"],
@@ -325,8 +327,9 @@ def _ingress_deployment(spec: RaySpec):
             that lives, which answers from the store what the dead one did."""
             for attempt in range(RETRIES):
                 try:
-                    return await self.engine.options(multiplexed_model_id=session_id).turn.remote(
+                    reply = await self.engine.options(multiplexed_model_id=session_id).turn.remote(
                         {**call, "retried": attempt > 0})
+                    return {**reply, "attempts": attempt + 1}
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                     if attempt == RETRIES - 1:
                         raise
