@@ -28,9 +28,10 @@ def test_demo_json(tmp_path):
     db = f"sqlite:///{tmp_path / 'demo.db'}"
     res = CliRunner().invoke(main, ["demo", "--json", "--db", db])  # the defaults: budget 160, window 16
     assert res.exit_code == 0, res.output
-    lines = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    # stdout alone: the runner's output also holds stderr, where a progress bar may share a line with an event
+    lines = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     head, rows, tail = lines[0], lines[1:-1], lines[-1]
-    assert head["event"] == "session" and str(tmp_path / "demo.db") in head["store"]
+    assert head["event"] == "session" and str(tmp_path / "demo.db") in head["store"], lines[:2]
     assert head["model"] == DEFAULT_MODEL
     assert tail == {"event": "verified", "session_id": head["session_id"], "hash_chain_ok": True, "problems": []}
     assert [r["turn"] for r in rows] == [1, 2, 3, 4]
