@@ -670,7 +670,9 @@ def _serve_ray(spec: dict, host: str, port: int) -> None:
         raise click.ClickException(str(exc)) from None
     start_local(port)
     ray_serve.run(build(spec), name="snapkv", route_prefix="/")
-    click.echo(f"serving {spec['model']} on http://127.0.0.1:{port}/v1 ({spec['replicas']} replicas)", err=True)
+    replicas = spec["replicas"]
+    click.echo(f"serving {spec['model']} on http://127.0.0.1:{port}/v1 ({replicas} replica{'s' * (replicas != 1)})",
+               err=True)
     try:
         while True:
             time.sleep(3600)

@@ -108,3 +108,27 @@ def pytest_runtest_makereport(item, call):
         if any(phrase in reason for phrase in ENVIRONMENT_SKIPS):
             report.outcome = "failed"
             report.longrepr = f"skipped under CI=true, which must not happen for bundle/service tests: {reason}"
+
+
+def run_in_threads(fn, keys, timeout_s: float = 600.0) -> dict:
+    """``{key: fn(key)}`` with every call in its own thread, all at once; the first error any of them raised is
+    raised here (with the others' count), so a failing worker fails the test."""
+    import threading
+
+    results, errors = {}, []
+
+    def work(key) -> None:
+        try:
+            results[key] = fn(key)
+        except BaseException as exc:  # noqa: BLE001 - raised again below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(key,)) for key in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise AssertionError(f"{len(errors)} of {len(threads)} threads failed") from errors[0]
+    assert not any(t.is_alive() for t in threads), f"a thread was still running after {timeout_s} s"
+    return results

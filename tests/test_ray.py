@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PG_URL, bundle_available, pg_store
+from conftest import PG_URL, bundle_available, pg_store, run_in_threads
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -73,21 +73,7 @@ def _conversation(url: str, key: str, i: int, on_turn=None) -> dict:
 
 
 def _run_all(url: str, key: str, on_turn=None) -> dict[int, dict]:
-    results, errors = {}, []
-
-    def work(i: int) -> None:
-        try:
-            results[i] = _conversation(url, key, i, on_turn)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
-    return results
+    return run_in_threads(lambda i: _conversation(url, key, i, on_turn), range(4))
 
 
 def test_sessions_stick_to_a_replica_and_survive_one_dying(cluster):

@@ -3,11 +3,9 @@ between the steps, each get the reply they get alone, token for token."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from conftest import build_tiny
+from conftest import build_tiny, run_in_threads
 
 from snapkv_sessions import Session
 from snapkv_sessions.config import CompressionConfig
@@ -43,22 +41,8 @@ def _converse(runner: ModelRunner, case, seed: int, tiered: bool) -> tuple[list[
 
 
 def _together(runner: ModelRunner, cases, tiered: bool) -> list:
-    results: list = [None] * len(cases)
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            results[i] = _converse(runner, cases[i], i, tiered)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results
+    got = run_in_threads(lambda i: _converse(runner, cases[i], i, tiered), range(len(cases)), 120)
+    return [got[i] for i in range(len(cases))]
 
 
 @pytest.mark.parametrize(("kind", "tiered", "slots", "packed"),
@@ -193,23 +177,9 @@ def test_sessions_with_different_policies_and_sampling_decoded_together(smollm2,
     runner = ModelRunner(model, tokenizer)
     scheduler = Scheduler(runner, slots=4)
     shared = SessionStore(f"sqlite:///{tmp_path}/together.db")
-    together: dict = {}
-    errors: list[BaseException] = []
-
-    def work(name: str) -> None:
-        try:
-            together[name] = _session_replies(smollm2, runner, name, shared)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(name,)) for name in POLICIES]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
+        together = run_in_threads(lambda name: _session_replies(smollm2, runner, name, shared), POLICIES, 300)
     finally:
         scheduler.close()
-    assert not errors, errors
     assert together == alone  # every reply token for token, and the same re-prefills
     assert scheduler.stats.largest > 1

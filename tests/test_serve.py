@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import bundle_available
+from conftest import bundle_available, run_in_threads
 
 openai = pytest.importorskip("openai")
 
@@ -341,29 +341,20 @@ def test_a_request_past_its_deadline_gets_504_and_abandons_its_turn(tmp_path):
 def _conversations(srv: Server, clients: int, turns: list[str]) -> dict[int, list[str]]:
     """``clients`` concurrent clients, each a multi-turn conversation sent whole every turn (greedy); their
     replies, by client."""
-    replies: dict[int, list[str]] = {}
-    errors: list[BaseException] = []
 
-    def client(i: int) -> None:
-        try:
-            messages = [{"role": "system", "content": f"You are assistant {i}. Be brief."}]
-            for question in turns:
-                messages.append({"role": "user", "content": question})
-                res = srv.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=10 + 3 * i,
-                                                           stop=["\n\n"] if i % 2 else None)
-                text = res.choices[0].message.content
-                replies.setdefault(i, []).append(text)
-                messages.append({"role": "assistant", "content": text})
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
+    def client(i: int) -> list[str]:
+        replies = []
+        messages = [{"role": "system", "content": f"You are assistant {i}. Be brief."}]
+        for question in turns:
+            messages.append({"role": "user", "content": question})
+            res = srv.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=10 + 3 * i,
+                                                       stop=["\n\n"] if i % 2 else None)
+            text = res.choices[0].message.content
+            replies.append(text)
+            messages.append({"role": "assistant", "content": text})
+        return replies
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    return replies
+    return run_in_threads(client, range(clients), 300)
 
 
 def test_batched_server_replies_equal_the_unbatched_server(tmp_path):
