@@ -32,7 +32,7 @@ class KeyMasks(dict):
     reads its layer's mask (``snapkv_keymask=`` through the model's forward kwargs)."""
 
 
-@dataclass
+@dataclass(eq=False)  # a slot is itself: found by identity (SlotPool.slots.index), never by its fields
 class Slot:
     """One occupied slot: the session's state, its per-layer lengths, and the tokens fed since admission."""
 

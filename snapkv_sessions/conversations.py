@@ -71,9 +71,8 @@ def answered(session: Session | tuple[SessionStore, str], wanted: list[Message],
     """Whether the session stored exactly ``wanted`` and then its reply: the request was answered already (a
     retry after a failure that came after the turn was run, or recovered by the store's pending rules)."""
     store, session_id = (session.store, session.id) if isinstance(session, Session) else session
-    keys = stored_keys(store, session_id, tools)
-    rows = store.messages(session_id)
-    return (len(keys) == len(wanted) + 1 and rows[-1]["role"] == "assistant"
+    keys = stored_keys(store, session_id, tools)  # (role, name, content) each
+    return (len(keys) == len(wanted) + 1 and keys[-1][0] == "assistant"
             and [message_key(m) for m in wanted] == keys[:-1])
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import SlotPool
+from .batch import Slot, SlotPool
 from .generation import Decoder
 from .state import KVState
 
@@ -44,7 +44,7 @@ class Decoding:
     decoder: Decoder
     logits: torch.Tensor  # (V,) the next token's
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    slot: bool = False  # holds a slot
+    slot: Slot | None = None  # the pool's slot it decodes in, once admitted
     leaving: threading.Event = field(default_factory=threading.Event)  # its reader went away
     gone: threading.Event = field(default_factory=threading.Event)  # the scheduler no longer touches it
 
@@ -185,14 +185,12 @@ class Scheduler:
     def _step(self) -> None:
         """Admit replies into free slots, then feed every slotted reply its token in one forward."""
         for item in self._active:
-            if not item.slot and self.pool.free:
-                self.pool.admit(item.state, item.decoder.gen.max_new_tokens)
-                item.slot = True
-        ready = [item for item in self._active if item.slot]
+            if item.slot is None and self.pool.free:
+                item.slot = self.pool.slots[self.pool.admit(item.state, item.decoder.gen.max_new_tokens)]
+        ready = sorted((item for item in self._active if item.slot is not None),
+                       key=lambda item: self.pool.slots.index(item.slot))  # slot order: row i is slot i
         if not ready:
             return
-        by_slot = {id(s.state): i for i, s in enumerate(self.pool.slots)}
-        ready.sort(key=lambda item: by_slot[id(item.state)])
         t0 = time.perf_counter()
         logits = self.pool.step(self.runner, [item.decoder.last for item in ready])  # (n, V)
         self.stats.step_s += time.perf_counter() - t0
@@ -204,10 +202,9 @@ class Scheduler:
 
     def _leave(self, item: Decoding) -> None:
         """Take ``item`` out of the batch, its slot copied back into its state."""
-        if item.slot:
-            index = next(i for i, s in enumerate(self.pool.slots) if s.state is item.state)
-            self.pool.release(index)
-            item.slot = False
+        if item.slot is not None:
+            self.pool.release(self.pool.slots.index(item.slot))
+            item.slot = None
         self._active.remove(item)
         item.gone.set()
 

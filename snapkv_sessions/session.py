@@ -206,21 +206,22 @@ class Session:
                 for r in self.store.messages(self.id, include_abandoned=include_abandoned)
                 if up_to_seq is None or r["seq"] <= up_to_seq]
 
-    def stored_reply(self, turn: int) -> Reply:
-        """The reply of done turn ``turn``, as the store holds it (a retried request is answered with it)."""
+    def stored_reply(self, turn: int | None = None) -> Reply:
+        """The reply of done turn ``turn`` (default the last one), as the store holds it (a retried request is
+        answered with it)."""
         rows = {row["turn"]: row for row in self.store.turns(self.id, status="done")}
+        turn = max(rows, default=None) if turn is None else turn
         if turn not in rows:
             raise ConfigError("turn", turn, f"is not a done turn of session {self.id}")
         row = rows[turn]
         content = next(m.content for m in self.messages() if m.seq == row["assistant_seq"])
         text = cut_at_stop(content, (row["generation"] or {}).get("stop") or ())  # as the live reply showed it
-        pending = list(row["pending_tokens"] or [])
-        tokens = list(row["decode_tokens"] or []) + (pending if row["stop_reason"] != "eos" else [])
+        decoded, pending = list(row["decode_tokens"] or []), list(row["pending_tokens"] or [])
+        tokens = decoded + (pending if row["stop_reason"] != "eos" else [])
         plan = TurnPlan.from_record(row["segments"], row["prefill_tokens"])
-        context = plan.first_position + len(plan.tokens) + len(row["decode_tokens"] or []) + len(pending)
-        return Reply(text=text, turn=turn, session_id=self.id, token_ids=tokens,
-                     prompt_tokens=len(row["prefill_tokens"] or []), completion_tokens=len(tokens),
-                     context_tokens=context, cache_tokens=[], kept_per_role=row["kept_per_role"] or {},
+        return Reply(text=text, turn=turn, session_id=self.id, token_ids=tokens, prompt_tokens=len(plan.tokens),
+                     completion_tokens=len(tokens), context_tokens=plan.end_position + len(decoded) + len(pending),
+                     cache_tokens=[], kept_per_role=row["kept_per_role"] or {},
                      timings=row["timings"] or {}, report=None, stop_reason=row["stop_reason"] or "length")
 
     def verify(self) -> list[str]:

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .serve import ServeBench, run_clients, start_server, stream_turn
+from .serve import ServeBench, launch, run_clients, stream_turn
 
 
 def run(bench: ServeBench, db: str, replicas: int, log=print) -> dict:
@@ -24,7 +24,7 @@ def run(bench: ServeBench, db: str, replicas: int, log=print) -> dict:
 
     from ..serve.ray import RaySpec, build, free_port, start_local
 
-    policy = bench.policy or {"compression": {"budget": bench.budget, "window": 16}}
+    policy = bench.sessions_policy()
     batch = bench.batches[-1]
     port = free_port()
     start_local(port)
@@ -37,10 +37,7 @@ def run(bench: ServeBench, db: str, replicas: int, log=print) -> dict:
         rows += _levels(url, bench, f"ray ({replicas} replica{'s' * (replicas > 1)})", log)
     finally:
         serve.shutdown()
-    folder = Path(tempfile.mkdtemp(prefix="snapkv-bench-ray-"))
-    policy_file = folder / "policy.json"
-    policy_file.write_text(__import__("json").dumps(policy))
-    proc, url = start_server(bench.model, folder, "--policy", str(policy_file), "--batch", str(batch), "--db", db)
+    proc, url = launch(bench, Path(tempfile.mkdtemp(prefix="snapkv-bench-ray-")), "--batch", str(batch), "--db", db)
     try:
         rows += _levels(url, bench, "one process", log)
     finally:

@@ -194,6 +194,21 @@ class ServeBench:
     packed: tuple[bool, ...] = (False,)  # servers with and/or without packed linear weights (snapkv_sessions.packed)
     document_tokens: int = 0  # each client's first message starts with a document of about this many tokens
 
+    def sessions_policy(self) -> str | dict:
+        """The servers' policy: ``policy`` when given, else ``budget`` with a 16-token window."""
+        return self.policy or {"compression": {"budget": self.budget, "window": 16}}
+
+
+def launch(bench: ServeBench, folder: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """:func:`start_server` with the bench's model and policy (a policy given as a mapping is written to a file in
+    ``folder`` first) and ``args``."""
+    policy = bench.sessions_policy()
+    if isinstance(policy, dict):
+        path = folder / "policy.json"
+        path.write_text(json.dumps(policy))
+        policy = str(path)
+    return start_server(bench.model, folder, "--policy", policy, *args)
+
 
 def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, log=print) -> dict:
     """Every level against a server started per ``bench.batches`` value (or against ``base_url``), side by side
@@ -214,7 +229,7 @@ def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, 
         for key, ratio in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
             r[ratio] = round(r[key] / base[key], 2) if base.get(key) and r[key] else None
     return {"benchmark": "serve", "model": bench.model, "turns_per_client": bench.turns, "max_tokens": bench.max_tokens,
-            "max_queue": bench.max_queue, "policy": bench.policy or {"compression": {"budget": bench.budget}},
+            "max_queue": bench.max_queue, "policy": bench.sessions_policy(),
             "packed": list(bench.packed), "document_tokens": bench.document_tokens,
             "levels": rows, "turns": per_turn}
 
@@ -225,12 +240,8 @@ def _one_server(bench: ServeBench, server: tuple[int | None, bool], base_url: st
     proc, folder = None, Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
     url = base_url
     if url is None:
-        policy = bench.policy
-        if policy is None:
-            policy = str(folder / "policy.json")
-            Path(policy).write_text(json.dumps({"compression": {"budget": bench.budget, "window": 16}}))
-        proc, url = start_server(bench.model, folder, "--max-queue", str(bench.max_queue), "--policy", policy,
-                                 "--batch", str(batch), *(["--packed-weights"] if packed else []))
+        proc, url = launch(bench, folder, "--max-queue", str(bench.max_queue), "--batch", str(batch),
+                           *(["--packed-weights"] if packed else []))
     rows, per_turn = [], {}
     try:
         stream_turn(url, bench.model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward

@@ -43,7 +43,7 @@ from sse_starlette.sse import EventSourceResponse
 from ..errors import ConfigError
 from . import protocol
 from .app import SESSION_HEADER, ApiError, as_api_error, authorize, completion_body, end_chunks, read_body, stream_end
-from .service import Capacity, Router, Service
+from .service import Capacity, Router, Service, at_least
 from .worker import DeadlineExceeded, Job
 
 REPLICA_HEADER = "X-Replica"
@@ -79,10 +79,7 @@ class RaySpec:
     extra_actor_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, least in (("replicas", 1), ("sessions_per_replica", 1), ("batch", 0), ("max_tokens", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(name, value, f"must be an int >= {least}")
+        at_least(self, {"replicas": 1, "sessions_per_replica": 1, "batch": 0, "max_tokens": 1})
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
 
     @classmethod
@@ -211,10 +208,32 @@ def _engine_deployment(spec: RaySpec):
 
 
 def _error(exc: BaseException) -> dict:
+    """A replica's failure as data for the ingress (:func:`_response`)."""
     if isinstance(exc, TimeoutError):
         exc = DeadlineExceeded("the request ran past its deadline; its turn was abandoned")
     err = as_api_error(exc)
     return {"status": err.status, "message": str(err), "kind": err.kind, "param": err.param, "code": err.code}
+
+
+def _response(err: dict, headers: dict) -> JSONResponse:
+    """The OpenAI error body of a replica's :func:`_error`."""
+    return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"], headers).response()
+
+
+DIED = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)  # the replica went away
+
+
+async def _retrying(start):
+    """``await start(attempt)`` until a replica that lives answers (at most :data:`RETRIES` attempts, 1 s, 2 s, ...
+    apart, while Ray's router learns of the death); returns its result and the attempts it took."""
+    for attempt in range(RETRIES):
+        try:
+            return await start(attempt), attempt + 1
+        except DIED:
+            if attempt == RETRIES - 1:
+                raise
+            await asyncio.sleep(1.0 + attempt)
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------- the ingress
@@ -263,9 +282,7 @@ def _ingress_deployment(spec: RaySpec):
             headers = {SESSION_HEADER: session_id, REPLICA_HEADER: reply["replica"],
                        ATTEMPTS_HEADER: str(reply["attempts"])}
             if "error" in reply:
-                err = reply["error"]
-                return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"],
-                                headers).response()
+                return _response(reply["error"], headers)
             return JSONResponse(reply["completion"], headers=headers)
 
         def _route(self, turn) -> tuple[str, bool]:
@@ -282,22 +299,16 @@ def _ingress_deployment(spec: RaySpec):
             """A streamed turn as SSE. A replica that dies before the turn's first piece is retried as
             :meth:`_send` does; one that dies after it ends the stream with an error (the client saw a partial
             reply; sending the whole conversation again continues the session from what the store holds)."""
-            for attempt in range(RETRIES):
+            async def start(attempt: int):
                 items = self.engine.options(multiplexed_model_id=session_id, stream=True).turn_stream.remote(
                     {**call, "retried": attempt > 0})
-                try:
-                    head = await items.__anext__()  # {"replica"}: the replica took the turn
-                    first = await items.__anext__()
-                    break
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    if attempt == RETRIES - 1:
-                        raise
-                    await asyncio.sleep(1.0 + attempt)
-            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: head["replica"], ATTEMPTS_HEADER: str(attempt + 1)}
+                head = await items.__anext__()  # {"replica"}: the replica took the turn
+                return items, head, await items.__anext__()
+
+            (items, head, first), attempts = await _retrying(start)
+            headers = {SESSION_HEADER: session_id, REPLICA_HEADER: head["replica"], ATTEMPTS_HEADER: str(attempts)}
             if "error" in first:
-                err = first["error"]
-                return ApiError(err["status"], err["message"], err["kind"], err["param"], err["code"],
-                                headers).response()
+                return _response(first["error"], headers)
             cid = protocol.completion_id()
 
             async def events():
@@ -315,7 +326,7 @@ def _ingress_deployment(spec: RaySpec):
                             yield {"data": json.dumps(protocol.error(item["error"]["message"], item["error"]["kind"]))}
                             return
                         item = await items.__anext__()
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, StopAsyncIteration):
+                except (*DIED, StopAsyncIteration):
                     yield {"data": json.dumps(protocol.error("the replica serving this turn stopped", "server_error"))}
                 finally:
                     items.cancel()  # the client left early: the replica's stream closes and abandons the turn
@@ -325,15 +336,8 @@ def _ingress_deployment(spec: RaySpec):
         async def _send(self, call: dict, session_id: str) -> dict:
             """The turn on the replica that holds the session; when that replica dies, again (as a retry) on one
             that lives, which answers from the store what the dead one did."""
-            for attempt in range(RETRIES):
-                try:
-                    reply = await self.engine.options(multiplexed_model_id=session_id).turn.remote(
-                        {**call, "retried": attempt > 0})
-                    return {**reply, "attempts": attempt + 1}
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                    if attempt == RETRIES - 1:
-                        raise
-                    await asyncio.sleep(1.0 + attempt)
-            raise AssertionError("unreachable")
+            engine = self.engine.options(multiplexed_model_id=session_id)
+            reply, attempts = await _retrying(lambda attempt: engine.turn.remote({**call, "retried": attempt > 0}))
+            return {**reply, "attempts": attempts}
 
     return Ingress

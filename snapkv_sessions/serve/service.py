@@ -70,10 +70,15 @@ class Capacity:
     packed_weights: bool = False
 
     def __post_init__(self) -> None:
-        for name, least in (("max_live", 1), ("max_tokens", 1), ("batch", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ConfigError(name, value, f"must be an int >= {least}")
+        at_least(self, {"max_live": 1, "max_tokens": 1, "batch": 0})
+
+
+def at_least(obj: object, bounds: dict[str, int]) -> None:
+    """Each named attribute of ``obj`` is an int (not a bool) of at least its bound; else a ConfigError naming it."""
+    for name, least in bounds.items():
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(name, value, f"must be an int >= {least}")
 
 
 @dataclass
@@ -253,8 +258,7 @@ class Service(Router):
               resolved) -> TurnOutput | None:
         session, new, fresh = found
         if not new:  # a retry of a request already answered: the same reply, no second turn
-            done = self.store.turns(session.id, status="done")
-            out = self._output(turn, session, session.stored_reply(done[-1]["turn"]), fresh)
+            out = self._output(turn, session, session.stored_reply(), fresh)
             if resolved is not None:
                 resolved(session.id)
             emit(out.content)
@@ -303,11 +307,16 @@ class Service(Router):
                 if new is not None:
                     yield self._live(found[0]), new, False
                     return
-        session = Session.create_on(self.runner, self.model_id, self.policy, self.store,
-                                    {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served"})
+        session = self._create(turn)
         with self._hold(session.id):
             self._remember(session)
             yield session, turn.wanted[-1:], True
+
+    def _create(self, turn: TurnRequest, session_id: str | None = None) -> Session:
+        """A new session for ``turn`` (under ``session_id`` when a router chose it): the request's earlier
+        messages are its history, and its last message is the turn."""
+        options = {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served", "session_id": session_id}
+        return Session.create_on(self.runner, self.model_id, self.policy, self.store, options)
 
     def _named(self, turn: TurnRequest) -> tuple[Session, list[Message], bool]:
         """The session ``turn`` names (held by the caller), created under that id when the router chose it for a
@@ -315,12 +324,11 @@ class Service(Router):
         as the session opened here) comes back with nothing new: :meth:`_turn` returns the stored reply."""
         sid = turn.session_id
         if turn.create and not self.store.session_exists(sid):
-            session = Session.create_on(self.runner, self.model_id, self.policy, self.store,
-                                        {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served",
-                                         "session_id": sid})
+            session = self._create(turn, sid)
             self._remember(session)
             return session, turn.wanted[-1:], True
         self._owned(sid, turn.owner)
+        session = None
         if turn.retried:
             session = self._live(sid)
             session.catch_up()  # a turn another replica left pending is answered first
@@ -329,7 +337,7 @@ class Service(Router):
         new = unseen((self.store, sid), turn.wanted, turn.tools)
         if new is None:
             raise Conflict(f"session {sid}: its stored messages are not a proper prefix of the request's messages")
-        return self._live(sid), new, False
+        return session or self._live(sid), new, False
 
     @contextlib.contextmanager
     def _hold(self, session_id: str) -> Iterator[None]:
