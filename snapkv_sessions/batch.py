@@ -9,8 +9,13 @@ is copied back into the session's own cache (:meth:`SlotPool.release`), which st
 a step reads plain views. Rows are independent: each session's logits equal those of a step taken alone (the
 equality tests in ``tests/test_batch.py`` and ``tests/test_scheduler.py``).
 
+Slots widen in steps of ``_ROUND`` tokens as replies grow, and a non-static pool frees its buffers when its last
+slot is released: one long reply does not pin its width for good; the next admission allocates what it needs
+(the memory goes back to torch's allocator, for the sessions' own caches to reuse).
+
 With ``static=True`` every step attends over the whole ``T_cap`` (masked), so the shapes of a step depend only on
-the number of active slots: what a CUDA graph capture needs.
+the number of active slots: what a CUDA graph capture needs. A static pool never shrinks: its buffers (their shapes
+and addresses) stay as they are between replies, and so hold the widest width it has reached.
 """
 
 from __future__ import annotations
@@ -99,19 +104,29 @@ class SlotPool:
                       self.values[layer][index : index + 1, :, :n].clone())
         if slot.fed:
             state.append(slot.fed, [False] * len(slot.fed), state.positions[0].shape[1], state.positions[0].device)
+        self.drop(index)
+        return state
+
+    @torch.inference_mode()
+    def drop(self, index: int) -> None:
+        """Free slot ``index`` without copying it back (:meth:`release` copies first); the last occupied slot moves
+        into the hole, so the active slots stay ``[0, n)``. When no slot is left, a non-static pool frees its
+        buffers."""
         last = len(self.slots) - 1
-        if index != last:  # the last slot fills the hole: the active slots stay [0, n)
+        if index != last:  # the last slot fills the hole
             moved = self.slots[last]
             for layer in range(self.num_layers):
                 n = max(moved.lengths[layer], 1)
-                self.keys[layer][index, :, :n] = self.keys[layer][last, :, :n]
+                self.keys[layer][index, :, :n] = self.keys[layer][last, :, :n]  # (Hkv, n, D)
                 self.values[layer][index, :, :n] = self.values[layer][last, :, :n]
             self.slots[index] = moved
         self.slots.pop()
-        return state
+        if not self.slots and not self.static:  # idle: give the width back; the next admit allocates anew
+            self.keys, self.values = [], []
 
     def _fit(self, like: torch.Tensor, need: int) -> None:
-        """Allocate the slots on first use, or widen them (keeping what they hold) when a session needs more."""
+        """Allocate the slots on first use (or after an idle pool freed them), or widen them (keeping what they
+        hold) when a session needs more."""
         if need <= self.width:
             return
         width = -(-need // _ROUND) * _ROUND

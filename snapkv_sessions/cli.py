@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import sys
 import time
 
@@ -35,13 +37,31 @@ PLOT_INSTALL = "pip install matplotlib (or the extra: pip install 'snapkv-sessio
 
 
 def need_matplotlib(plot_path: str | None) -> None:
-    """``--plot`` draws with matplotlib, an optional dependency: say how to install it before any work is done."""
+    """``--plot`` draws with matplotlib, an optional dependency: say how to install it, and whether the PNG can be
+    written where it is asked for, before any work is done (not as a traceback once the figure is drawn)."""
     if not plot_path:
         return
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise click.ClickException(f"--plot {plot_path}: matplotlib is not installed; {PLOT_INSTALL}") from None
+    _check_writable("--plot", plot_path)
+
+
+def _check_writable(option: str, path: str) -> None:
+    """``path`` can be written as a file: its folder exists and is writable, and it is not itself a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "it is a folder; give a file name"
+    elif not os.path.isdir(folder):
+        problem = f"the folder {folder} does not exist"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        problem = f"the folder {folder} cannot be written"
+    elif os.path.exists(path) and not os.access(path, os.W_OK):
+        problem = "the file exists and cannot be written"
+    else:
+        return
+    raise click.ClickException(f"{option} {path}: {problem}")
 
 
 def quiet_loaders() -> None:
@@ -623,10 +643,17 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--ray", "on_ray", is_flag=True,
               help="Run as a Ray Serve application on a local Ray started on 127.0.0.1 (docs/ray.md).")
 @click.option("--replicas", default=2, show_default=True, help="With --ray: engine replicas.")
+@click.option("--max-messages", default=1024, show_default=True, help="Messages one request may carry; more get 400.")
+@click.option("--docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json, behind the API key when keys are set.")
+@click.option("--shutdown-grace", default=10.0, show_default=True,
+              help="Seconds running turns may finish after SIGTERM; then they are stopped with 503.")
 @clean_errors
 def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
-          max_live, max_body_mb, batch, packed_weights, on_ray, replicas) -> None:
+          max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
+    _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
+                         max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
+                         max_messages=max_messages, shutdown_grace=shutdown_grace)
     keys = _api_keys(api_keys, api_key_file)
     if not keys and host not in LOOPBACK:
         click.echo(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it "
@@ -638,20 +665,48 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
                     "max_body_bytes": int(max_body_mb * (1 << 20))}, host, port)
         return
     try:
-        import uvicorn
-
         from .serve import Capacity, ServeOptions, Service, create_app
+        from .serve.app import run_server
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
     from .store import SessionStore
 
     quiet_loaders()
     capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights)
-    service = Service(model, policy, SessionStore(db, redis_url=redis_url), capacity)
+    store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
+    service = Service(model, policy, store, capacity)
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
-                                           max_body_bytes=int(max_body_mb * (1 << 20))))
+                                           max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
+                                           docs=docs, shutdown_grace_s=shutdown_grace))
     click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    run_server(app, host, port, shutdown_grace)
+
+
+# serve's numeric options: the least value (int options), or (least, whether the least itself is allowed) for the
+# float ones; --port also has a most. Checked before anything is imported or loaded, each refusal one line.
+_SERVE_INTS = {"port": 0, "max_queue": 1, "max_tokens": 1, "max_live": 1, "batch": 0, "replicas": 1, "max_messages": 1}
+_SERVE_FLOATS = {"request_timeout": (0.0, False), "max_body_mb": (0.0, False), "shutdown_grace": (0.0, True)}
+MAX_PORT = 65535
+
+
+def _check_serve_numbers(**values: float) -> None:
+    """A bad numeric ``serve`` option is a one-line error naming it (exit 1), before the model is loaded: a
+    request timeout of 0 would make every request a 504, a queue of 0 is unbounded, a port past 65535 never binds."""
+    for name, value in values.items():
+        option = "--" + name.replace("_", "-")
+        if name in _SERVE_INTS:
+            least = _SERVE_INTS[name]
+            most = MAX_PORT if name == "port" else None
+            if value < least or (most is not None and value > most):
+                bound = f"in {least}..{most}" if most is not None else f">= {least}"
+                raise click.ClickException(f"{option}={value}: must be an integer {bound}")
+            continue
+        least, inclusive = _SERVE_FLOATS[name]
+        if not math.isfinite(value) or value < least or (value == least and not inclusive):
+            raise click.ClickException(f"{option}={value:g}: must be a finite number {'>=' if inclusive else '>'} "
+                                       f"{least:g}")
+    if int(values["max_body_mb"] * (1 << 20)) < 1:
+        raise click.ClickException(f"--max-body-mb={values['max_body_mb']:g}: must allow at least one byte")
 
 
 def _serve_ray(spec: dict, host: str, port: int) -> None:

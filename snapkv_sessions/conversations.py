@@ -89,15 +89,6 @@ def with_tools(wanted: list[Message], tools: list[dict] | None, tool_choice: obj
     return [*wanted[:at], tool_schema_message(tools, tool_choice), *wanted[at:]]
 
 
-def commit(session: Session, message: Message) -> None:
-    """Commit a message the session has not seen and that does not start the turn."""
-    if message.role not in ("user", "assistant"):
-        session.add_message(message)
-        return
-    # a caller's earlier exchange (user/assistant messages the session did not produce) is history
-    session.add_history(message)
-
-
 class StreamFilter:
     """How much of a streamed reply may be shown yet when tools are bound: no tool-call markup.
 
@@ -129,5 +120,5 @@ class StreamFilter:
         return head[: len(head) - held]
 
 
-__all__ = ["FINISH", "StreamFilter", "call_id", "commit", "message_key", "reply_view", "stored_keys", "unseen",
+__all__ = ["FINISH", "StreamFilter", "call_id", "message_key", "reply_view", "stored_keys", "unseen",
            "with_tools"]

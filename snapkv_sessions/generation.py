@@ -19,7 +19,7 @@ class GenerationConfig:
     Parameters
     ----------
     max_new_tokens: hard cap on generated tokens (>= 1)
-    temperature: 0 for greedy; > 0 samples
+    temperature: 0 for greedy; > 0 samples (below :data:`MIN_TEMPERATURE`: greedy as well)
     top_k: keep the k most likely tokens before sampling (0 = all)
     top_p: nucleus sampling mass in (0, 1]
     seed: seeds the sampler's own ``torch.Generator``, so a seeded reply is reproducible
@@ -49,7 +49,7 @@ class GenerationConfig:
             raise ConfigError("stop", self.stop, "must be strings")
         if self.max_new_tokens < 1:
             raise ConfigError("max_new_tokens", self.max_new_tokens, "must be >= 1")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ConfigError("temperature", self.temperature, "must be >= 0")
         if self.top_k < 0:
             raise ConfigError("top_k", self.top_k, "must be >= 0")
@@ -85,13 +85,36 @@ class GenerationConfig:
         return cls(**{**record, "stop": tuple(record.get("stop") or ())})
 
 
+MIN_TEMPERATURE = 1e-4
+"""Temperatures below this decode greedily (argmax), as 0 does.
+
+Why 1e-4: the float32 softmax of ``logits / T`` gives a token exactly 0 probability once its logit is more than
+about ``104 * T`` below the best (``exp(-104)`` is under float32's smallest subnormal). At ``T = 1e-4`` that gap is
+0.0104, less than the spacing of bf16 logits anywhere above 2 in magnitude (>= 0.0156), so for a bf16 model every
+temperature below the floor already samples the argmax, exact ties aside; for fp16/fp32 logits only tokens within
+0.01 of the best could differ: numerical near-ties. Far below the floor ``logits / T`` leaves float32's range
+(1e-300 rounds to 0 in float32 and 1e-40 to a subnormal: inf, then NaN); at and above it the quotient stays finite for
+any logit under 3.4e34 in magnitude, and past that :meth:`Sampler.__call__` takes its float64 path."""
+
+
 class Sampler:
-    """Picks the next token from logits according to a :class:`GenerationConfig`."""
+    """Picks the next token from logits according to a :class:`GenerationConfig`.
+
+    Safe for every setting the config admits: a temperature below :data:`MIN_TEMPERATURE` (0 included) is greedy,
+    top-p always keeps the most likely token, and a distribution that float32 cannot hold (``logits / T`` overflows)
+    is taken again in float64 from logits shifted to a maximum of 0; when even that is no distribution (NaN or +inf
+    logits) the pick is the argmax. ``torch.multinomial`` only ever sees finite probabilities with a positive sum.
+
+    The generator (seeded from ``cfg.seed``) advances once per multinomial draw and never otherwise: a greedy
+    sampler has none, and a greedy fallback draws nothing. Every choice depends on the config and the logits only,
+    so a replayed config (:meth:`GenerationConfig.from_record`) decodes the same reply from the same logits.
+    For ordinary values the computation is the float32 one, bit for bit, that this class has always done.
+    """
 
     def __init__(self, cfg: GenerationConfig, device: torch.device) -> None:
         self.cfg = cfg
         self.generator: torch.Generator | None = None
-        if cfg.temperature > 0:
+        if cfg.temperature >= MIN_TEMPERATURE:
             self.generator = torch.Generator(device=device)
             if cfg.seed is not None:
                 self.generator.manual_seed(cfg.seed)
@@ -102,7 +125,18 @@ class Sampler:
         """logits : (V,) for the next position."""
         if self.generator is None:
             return int(logits.argmax())
-        scores = logits.float() / self.cfg.temperature  # (V,)
+        probs = self._probs(logits.float())  # (V,)
+        if not _drawable(probs):  # logits / T left float32's range, or the logits hold NaN/inf
+            wide = logits.double()  # (V,)
+            # the same distribution (softmax is shift-invariant): every score <= 0, so nothing overflows
+            probs = self._probs(wide - wide.max())  # (V,)
+            if not _drawable(probs):  # no distribution at all (NaN or +inf logits): the likeliest token
+                return int(logits.argmax())
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores (V,) -> the filtered sampling distribution (V,), in the dtype of ``scores``."""
+        scores = scores / self.cfg.temperature  # (V,)
         if self.cfg.top_k:
             kth = scores.topk(min(self.cfg.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -110,9 +144,19 @@ class Sampler:
             sorted_scores, order = scores.sort(descending=True)  # (V,)
             cum = sorted_scores.softmax(-1).cumsum(-1)  # (V,)
             drop = cum - sorted_scores.softmax(-1) >= self.cfg.top_p  # keep the smallest set reaching top_p
+            # The most likely token alone reaches any top_p up to its own mass. Compared with a float32 tensor, a
+            # top_p under float32's smallest subnormal (1e-300) becomes 0 and would drop every token; otherwise
+            # drop[0] is False already (cum[0] - p[0] == 0 < top_p), so this changes nothing.
+            drop[0] = False
             scores = scores.scatter(0, order[drop], float("-inf"))
-        probs = scores.softmax(-1)  # (V,)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return scores.softmax(-1)  # (V,)
+
+
+def _drawable(probs: torch.Tensor) -> bool:
+    """Whether ``probs`` (V,) is something multinomial may draw from: softmax output is >= 0 or NaN, so a finite,
+    positive sum means every entry is finite (one device sync)."""
+    total = probs.sum()
+    return bool(torch.isfinite(total) & (total > 0))
 
 
 class Decoder:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention
+from . import attention, interrupts
 from .attention import WindowProbe
 from .cache import CompactCache, set_layer
 from .config import CompressionConfig
@@ -288,6 +288,7 @@ class ModelRunner:
             if lo == hi:
                 continue
             last = hi == len(todo)
+            interrupts.check()  # a deadline or a client gone stops a long prefill between chunks
             logits = self._forward(state, todo[lo:hi], probe if last else None, whole=True)
             state.append(todo[lo:hi], todo_flags[lo:hi], self.num_kv_heads, self.device)
         return logits, probe

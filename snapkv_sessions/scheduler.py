@@ -13,6 +13,10 @@ One thread owns the model. Each iteration of its loop
 While nothing decodes, waiting calls run back to back. A session's reply is the one it would get alone: rows do
 not interact, and every session samples with its own generator (``tests/test_scheduler.py``).
 
+Failures stay with the reply they belong to: an error while one reply samples (its decoder) or is admitted (its
+slot) takes that reply out of the batch and goes to its reader alone; the others go on, token for token as alone.
+Only an error of the shared forward (:meth:`SlotPool.step`) reaches every reply in the step.
+
 Sessions talk to it through their runner (:attr:`ModelRunner.scheduler`): ``_forward`` and ``compress`` go
 through :meth:`Scheduler.call`, ``generate`` through :meth:`Scheduler.decode`; a session's code does not change.
 """
@@ -166,27 +170,37 @@ class Scheduler:
             future.set_exception(exc)
 
     def _sample(self) -> None:
-        """Each active reply samples its next token; an ended or abandoned one leaves its slot."""
+        """Each active reply samples its next token; an ended, abandoned or failing one leaves its slot."""
         for item in list(self._active):
-            if item.leaving.is_set():
-                self._leave(item)
-                continue
-            if item.logits is None:  # waiting for a slot: its token was sampled already
-                continue
-            tok = item.decoder.accept(item.logits)
-            item.logits = None
-            if tok is not None:
-                item.out.put(tok)
-            if item.decoder.done:
-                self._leave(item)
-                item.state.pending, item.state.last_stop_reason = [item.decoder.last], item.decoder.reason
-                item.out.put(_END)
+            try:
+                self._sample_one(item)
+            except Exception as exc:  # noqa: BLE001 - this reply's own failure: its reader gets it, the rest go on
+                self._fail(item, exc)
+
+    def _sample_one(self, item: Decoding) -> None:
+        """``item``'s next token out to its reader; its slot freed once the reply has ended or its reader left."""
+        if item.leaving.is_set():
+            self._leave(item)
+            return
+        if item.logits is None:  # waiting for a slot: its token was sampled already
+            return
+        tok = item.decoder.accept(item.logits)
+        item.logits = None
+        if tok is not None:
+            item.out.put(tok)
+        if item.decoder.done:
+            self._leave(item)
+            item.state.pending, item.state.last_stop_reason = [item.decoder.last], item.decoder.reason
+            item.out.put(_END)
 
     def _step(self) -> None:
         """Admit replies into free slots, then feed every slotted reply its token in one forward."""
-        for item in self._active:
+        for item in list(self._active):
             if item.slot is None and self.pool.free:
-                item.slot = self.pool.slots[self.pool.admit(item.state, item.decoder.gen.max_new_tokens)]
+                try:  # admit takes the slot last, so a failed copy leaves the pool as it was
+                    item.slot = self.pool.slots[self.pool.admit(item.state, item.decoder.gen.max_new_tokens)]
+                except Exception as exc:  # noqa: BLE001 - this reply's own failure, as in _sample
+                    self._fail(item, exc)
         ready = sorted((item for item in self._active if item.slot is not None),
                        key=lambda item: self.pool.slots.index(item.slot))  # slot order: row i is slot i
         if not ready:
@@ -208,11 +222,19 @@ class Scheduler:
         self._active.remove(item)
         item.gone.set()
 
+    def _fail(self, item: Decoding, exc: BaseException) -> None:
+        """Take ``item`` out of the batch and hand ``exc`` to its reader."""
+        try:
+            self._leave(item)
+        except Exception:  # noqa: BLE001 - the slot's copy failed too; the session resets on the error
+            if item.slot is not None and item.slot in self.pool.slots:  # free the slot uncopied: the rest go on
+                self.pool.drop(self.pool.slots.index(item.slot))
+            item.slot = None
+            if item in self._active:
+                self._active.remove(item)
+            item.gone.set()
+        item.out.put(exc)
+
     def _fail_all(self, exc: BaseException) -> None:
         for item in list(self._active):
-            try:
-                self._leave(item)
-            except Exception:  # noqa: BLE001 - the slot's copy failed too; the session resets on the error
-                self._active.remove(item)
-                item.gone.set()
-            item.out.put(exc)
+            self._fail(item, exc)

@@ -10,8 +10,9 @@ new process and how a worker catches up with turns another worker ran.
 from __future__ import annotations
 
 import time
+import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TypedDict, Unpack
 
 from .admission import Admission, AdmissionError
@@ -23,7 +24,7 @@ from .models import runner_for
 from .policy import Policy
 from .press import layer_budgets
 from .runner import ModelRunner, TurnRun
-from .store import SessionStore, StoreError
+from .store import NewMessage, SessionStore, StoreError
 from .tierpool import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
 from .turn import Reply, TurnOutcome
@@ -65,7 +66,8 @@ class Session:
         self.tokenizer = runner.tokenizer
         self.transcript = Transcript(self.tokenizer, policy.pins)
         self.admission = Admission(policy.limits, store, session_id, self.tokenizer,
-                                   getattr(runner.model.config, "max_position_embeddings", None))
+                                   getattr(runner.model.config, "max_position_embeddings", None),
+                                   self.transcript.formatter)
         self.counter = self.admission.counter
         self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
                                   subjects=policy.drift.new_subject, follow_ups=bool(policy.drift.follow_ups))
@@ -98,16 +100,13 @@ class Session:
         system = options.get("system")
         first = [Message.coerce({"role": "system", "content": system})] if system is not None else []
         first += [Message.coerce(m) for m in options.get("history") or []]  # all checked before anything is stored
-        sid = store.create_session(model_id, policy.canonical_json(), policy.sha256, title=options.get("title"),
-                                   meta={"model_fingerprint": runner.fingerprint}, thread_id=options.get("thread_id"),
-                                   owner=options.get("owner"), session_id=options.get("session_id"))
+        sid = options.get("session_id") or str(uuid.uuid4())
         session = cls(sid, store, runner, policy, model_id)
-        try:
-            for message in first:
-                session._commit(message)
-        except BaseException:  # over a limit, or interrupted: no half-created session
-            store.delete_session(sid)
-            raise
+        # admitted, counted and pinned in memory first; then the session and its history in one transaction
+        rows = session._new_rows(first, [], session.admission.admit_all(first, new_session=True))
+        store.create_session(model_id, policy.canonical_json(), policy.sha256, title=options.get("title"),
+                             meta={"model_fingerprint": runner.fingerprint}, thread_id=options.get("thread_id"),
+                             owner=options.get("owner"), session_id=sid, messages=rows)
         return session
 
     def fork(self, turn: int | None = None, *, title: str | None = None) -> Session:
@@ -189,12 +188,36 @@ class Session:
 
     def _commit(self, message: Message) -> int:
         """Admit ``message`` against the policy limits and append it, with its pins, under the session lock."""
-        n = self.admission.admit(message)
+        return self.add_messages([message])[0]
+
+    def add_messages(self, messages: Sequence[str | dict | Message]) -> list[int]:
+        """Commit several messages of any role (as :meth:`add_history`) all together or not at all: admitted
+        together against the limits, then appended in one transaction; returns their seqs. They are fed to the
+        cache with the next turn."""
+        msgs = [Message.coerce(m) for m in messages]
+        if not msgs:
+            return []
+        counts = self.admission.admit_all(msgs)
         with self.store.lock(self.id):
             self._sync()  # a turn another worker left pending is resolved first: its reply follows its question
-            pins = self._pins_at_commit(message)
-            return self.store.add_message(self.id, message.role, message.content, message.name, message.pinned,
-                                          token_count=n, pins=pins.to_json())["seq"]
+            rows = self._new_rows(msgs, self.messages(), counts)
+            return [row["seq"] for row in self.store.add_messages(self.id, rows)]
+
+    def admit(self, messages: Sequence[Message], reply_tokens: int = 0) -> None:
+        """Check, storing nothing, that ``messages`` (the last one a turn's) and a reply of up to ``reply_tokens``
+        would pass admission: :class:`AdmissionError` naming the limit if not. A server checks a request whole
+        this way before it commits any of it."""
+        self.admission.admit_all(messages, reply_tokens)
+
+    def _new_rows(self, msgs: list[Message], stored: list[Message], counts: list[int]) -> list[NewMessage]:
+        """``msgs`` as rows to append after ``stored``, each with its token count and pins."""
+        rows, prefix = [], list(stored)
+        for message, n in zip(msgs, counts, strict=True):
+            pins = self._pins_at_commit(message, prefix)
+            rows.append(NewMessage(message.role, message.content, message.name, message.pinned, token_count=n,
+                                   pins=pins.to_json()))
+            prefix.append(message)
+        return rows
 
     def add_document(self, text: str, name: str | None = None, pinned: bool = False) -> int:
         """Commit a document; it enters the cache with the next turn (pinned documents are never evicted)."""
@@ -228,11 +251,12 @@ class Session:
         """Problems in the stored hash chain (empty when intact)."""
         return self.store.verify(self.id)
 
-    def _pins_at_commit(self, message: Message) -> MessagePins:
+    def _pins_at_commit(self, message: Message, before: list[Message] | None = None) -> MessagePins:
         """``message``'s pins, found once as it is committed; refused, before storing, when they alone could
         never fit a layer's history budget (``pin_overflow: error``, a fixed budget): stored, such a message
-        would fail every later turn. The stored messages before it are read at most once."""
-        read: list[list[Message]] = []
+        would fail every later turn. ``before``: the messages before it (default: the stored ones, read at most
+        once)."""
+        read: list[list[Message]] = [] if before is None else [before]
 
         def prefix() -> list[Message]:
             if not read:
@@ -268,7 +292,7 @@ class Session:
         if message.role not in ("user", "tool"):
             raise ConfigError("msg.role", message.role, "a turn starts with a user or tool message")
         gen = GenerationConfig.from_call(generation)
-        n = self.admission.admit(message)
+        n = self.admission.admit_all([message], gen.max_new_tokens)[0]
         with self.store.lock(self.id):
             self._sync()
             pins = self._pins_at_commit(message)

@@ -78,3 +78,42 @@ def test_slots_grow_as_replies_outrun_their_room_and_stay_equal():
         pool.release(0)
     for a, b in zip(together, alone, strict=True):
         assert a.token_ids == b.token_ids and a.cache_lengths() == b.cache_lengths()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_an_idle_pool_gives_its_memory_back_and_decodes_the_same_after(static):
+    """A long reply widens the slots; once every slot is released a (non-static) pool frees its buffers, and the
+    next reply, in a fresh allocation, still gets the logits of a session stepped alone. A static pool keeps its
+    buffers (fixed shapes)."""
+    from snapkv_sessions.batch import SlotPool
+
+    runner = ModelRunner(build_tiny("llama", layers=2))
+    pool = SlotPool(runner.num_layers, 3, static=static)
+
+    def run(steps: int) -> int:
+        """``steps`` batched steps of three sessions, checked against each alone; the pool's bytes at the end."""
+        together, alone = _sessions(runner), _sessions(runner)
+        tokens = [s.pending[0] for s in together]
+        for s in together + alone:
+            s.pending = []
+        for state in together:
+            pool.admit(state, 1)
+        for _ in range(steps):
+            batch_logits = pool.step(runner, tokens)  # (S, V)
+            single = torch.stack([runner.step(s, t) for s, t in zip(alone, tokens, strict=True)])  # (S, V)
+            torch.testing.assert_close(batch_logits, single, rtol=1e-4, atol=1e-5)
+            tokens = single.argmax(-1).tolist()
+        held = pool.nbytes()
+        while pool.slots:
+            pool.release(len(pool.slots) - 1)
+        for a, b in zip(together, alone, strict=True):
+            assert a.token_ids == b.token_ids and a.cache_lengths() == b.cache_lengths()
+        return held
+
+    small = run(1)
+    assert pool.nbytes() == (small if static else 0)
+    large = run(150)  # widens well past the first width
+    assert large > small
+    assert pool.nbytes() == (large if static else 0)  # static: fixed shapes, kept; otherwise freed once idle
+    assert run(3) == (large if static else small)  # after the shrink (or in the kept buffers): as alone
+    assert pool.nbytes() == (large if static else 0)

@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,100 @@ def test_session_quickstart_example(smollm2, tmp_path):
     assert all(r["system"] == r["developer"] == r["tool_schema"] == 1.0 for r in roles)
     assert re.search(r"cache (\d+) -> 256 ", out)
     assert re.search(r"hash chain problems: \[\] \| turns: 2$", out, re.M)
+
+
+def test_plot_to_a_missing_or_unwritable_place_is_a_clean_error(tmp_path):
+    """--plot names a PNG that cannot be written: one line naming --plot, before the store is even opened."""
+    from test_audit import synthetic_session  # a session with compressed turns, written straight into the store
+
+    from snapkv_sessions import SessionStore
+
+    db = tmp_path / "p.db"
+    sid = synthetic_session(SessionStore(str(db)))
+    folder = tmp_path / "nonexistent" / "dir"
+    png = folder / "x.png"
+    for where, problem in ((str(db), f"the folder {folder} does not exist"),
+                           (str(tmp_path / "absent.db"), f"the folder {folder} does not exist")):
+        res = CliRunner().invoke(main, ["replay", sid, "--db", where, "--plot", str(png)])
+        assert res.exit_code == 1, (res.output, res.exception)
+        assert res.output.strip() == f"Error: --plot {png}: {problem}" and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["replay", sid, "--db", str(db), "--plot", str(tmp_path)])
+    assert res.exit_code == 1 and res.output.strip() == f"Error: --plot {tmp_path}: it is a folder; give a file name"
+    # the benchmarks with --plot say so before they load a model, too
+    res = CliRunner().invoke(main, ["bench", "knee", "--model", "/nonexistent", "--plot", str(png), "--json"])
+    assert res.exit_code == 1 and res.output.strip() == f"Error: --plot {png}: the folder {folder} does not exist"
+    # a plot that can be written still is
+    res = CliRunner().invoke(main, ["replay", sid, "--db", str(db), "--plot", str(tmp_path / "ok.png"), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output) == {"plot": str(tmp_path / "ok.png"), "turn": 2}
+    assert (tmp_path / "ok.png").stat().st_size > 0
+
+
+def _lock_file(db: Path, sid: str) -> Path:
+    return Path(str(db) + ".locks") / f"{sid}.lock"
+
+
+def test_deleting_a_session_removes_its_lock_file(tmp_path):
+    """SQLite: a session's lock file goes with the session (store and CLI), also when deleted inside its own lock."""
+    from snapkv_sessions import SessionStore
+
+    db = tmp_path / "locks.db"
+    store = SessionStore(str(db))
+    sid = store.create_session("m", "{}", "p" * 64)
+    with store.lock(sid):
+        pass
+    assert _lock_file(db, sid).exists()
+    store.delete_session(sid)
+    assert not _lock_file(db, sid).exists()
+    # through the command line
+    sid = store.create_session("m", "{}", "p" * 64)
+    with store.lock(sid):
+        pass
+    res = CliRunner().invoke(main, ["sessions", "delete", sid, "--db", str(db)])
+    assert res.exit_code == 0 and res.output.strip() == f"deleted {sid}"
+    assert not _lock_file(db, sid).exists()
+    # deleted by the thread that holds its lock: the file goes as that lock is released, not before
+    sid = store.create_session("m", "{}", "p" * 64)
+    with store.lock(sid):
+        store.delete_session(sid)
+        assert _lock_file(db, sid).exists()
+    assert not _lock_file(db, sid).exists()
+    # a session never locked has no file, and deleting it is no error
+    sid = store.create_session("m", "{}", "p" * 64)
+    store.delete_session(sid)
+    assert not _lock_file(db, sid).exists() and store.list_sessions() == []
+
+
+def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path):
+    """A lock file unlinked while another waits on it: that waiter must not think it holds the lock.
+
+    The holder deletes the session inside its lock (the file is unlinked as the lock is released) while a second
+    holder waits on that file; a third takes the lock of the same id right after. The second and third take turns,
+    never hold it together (``flock`` on separate opens excludes threads as it does processes).
+    """
+    import threading
+
+    from snapkv_sessions import SessionStore
+
+    db = tmp_path / "wait.db"
+    store = SessionStore(str(db))
+    sid = store.create_session("m", "{}", "p" * 64)
+    held: list[tuple[str, float, float]] = []
+
+    def hold(name: str) -> None:
+        with store.lock(sid, timeout=30):
+            began = time.monotonic()
+            time.sleep(0.6)
+            held.append((name, began, time.monotonic()))
+
+    with store.lock(sid):
+        waiter = threading.Thread(target=hold, args=("waiter",))
+        waiter.start()
+        time.sleep(0.5)  # it opened the file and waits on it
+        store.delete_session(sid)
+    newcomer = threading.Thread(target=hold, args=("newcomer",))
+    newcomer.start()
+    waiter.join(30)
+    newcomer.join(30)
+    assert sorted(name for name, *_ in held) == ["newcomer", "waiter"]
+    (_, _, first_end), (_, second_began, _) = sorted(held, key=lambda h: h[1])
+    assert second_began >= first_end, held  # one after the other

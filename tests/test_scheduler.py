@@ -3,6 +3,8 @@ between the steps, each get the reply they get alone, token for token."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import build_tiny, run_in_threads
@@ -183,3 +185,99 @@ def test_sessions_with_different_policies_and_sampling_decoded_together(smollm2,
         scheduler.close()
     assert together == alone  # every reply token for token, and the same re-prefills
     assert scheduler.stats.largest > 1
+
+
+# ---------------------------------------------------------------------- one reply's failure (issue 29)
+
+# Long replies that are still decoding when the failing one joins; greedy, top-k and top-p sampling.
+CONFINED_CASES = [
+    ([21], GenerationConfig(max_new_tokens=150, eos_token_ids=())),
+    ([34], GenerationConfig(max_new_tokens=150, temperature=0.9, top_k=20, seed=5, eos_token_ids=())),
+    ([15], GenerationConfig(max_new_tokens=150, temperature=1.2, top_p=0.8, seed=11, eos_token_ids=())),
+]
+FAILING = GenerationConfig(max_new_tokens=9, temperature=0.8, seed=2, eos_token_ids=())  # 9: how the fault finds it
+
+
+def _failing_among_others(monkeypatch, where: str) -> None:
+    """Three replies decoding together; a fourth joins and fails in ``where`` ("accept": its decoder raises on its
+    3rd token; "admit": the pool cannot take it). The fourth's reader gets the error; the others' replies equal
+    each of them alone, token for token; the scheduler goes on."""
+    from snapkv_sessions.generation import Decoder
+
+    model = build_tiny("llama", layers=2)
+    alone = [ModelRunner(model).turn(ModelRunner(model).new_state(), _prompts(i, lengths)[0], None, gen).tokens
+             for i, (lengths, gen) in enumerate(CONFINED_CASES)]
+    runner = ModelRunner(model)
+    scheduler = Scheduler(runner, slots=4)
+    in_pool_at_fault: list[int] = []
+    if where == "accept":
+        accept = Decoder.accept
+
+        def faulty_accept(self, logits):
+            if self.gen.max_new_tokens == FAILING.max_new_tokens and len(self.produced) == 2:
+                in_pool_at_fault.append(len(scheduler.pool.slots))
+                raise RuntimeError("this row's sampler failed")
+            return accept(self, logits)
+
+        monkeypatch.setattr(Decoder, "accept", faulty_accept)
+    else:
+        admit = scheduler.pool.admit
+
+        def faulty_admit(state, extra):
+            if extra == FAILING.max_new_tokens:
+                in_pool_at_fault.append(len(scheduler.pool.slots))
+                raise RuntimeError("this row's sampler failed")
+            return admit(state, extra)
+
+        monkeypatch.setattr(scheduler.pool, "admit", faulty_admit)
+
+    def work(key):
+        if key == "failing":  # joins once the others are all decoding
+            deadline = time.monotonic() + 60
+            while len(scheduler.pool.slots) < len(CONFINED_CASES) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            with pytest.raises(RuntimeError, match="this row's sampler failed"):
+                runner.turn(runner.new_state(), [5, 6, 7, 8, 9], None, FAILING)
+            return "raised"
+        lengths, gen = CONFINED_CASES[key]
+        return runner.turn(runner.new_state(), _prompts(key, lengths)[0], None, gen).tokens
+
+    try:
+        got = run_in_threads(work, [*range(len(CONFINED_CASES)), "failing"], 120)
+        assert got["failing"] == "raised"
+        assert [got[i] for i in range(len(CONFINED_CASES))] == alone  # token for token, as alone
+        # the fault struck while the others were in the batch ("accept": the failing reply holds a slot as well)
+        assert in_pool_at_fault == [len(CONFINED_CASES) + (where == "accept")]
+        assert not scheduler.pool.slots
+        lengths, gen = CONFINED_CASES[0]
+        assert runner.turn(runner.new_state(), _prompts(0, lengths)[0], None, gen).tokens == alone[0]  # goes on
+    finally:
+        scheduler.close()
+
+
+def test_a_reply_whose_sampler_fails_leaves_alone_and_the_others_equal_their_replies_alone(monkeypatch):
+    _failing_among_others(monkeypatch, "accept")
+
+
+def test_a_reply_that_cannot_be_admitted_fails_alone_and_the_others_equal_their_replies_alone(monkeypatch):
+    _failing_among_others(monkeypatch, "admit")
+
+
+def test_a_tiny_temperature_among_others_decodes_greedily_and_fails_no_one():
+    """The issue's case: temperature 1e-300 (and top_p 1e-300) next to other clients' replies."""
+    model = build_tiny("llama", layers=2)
+    cases = [(list(range(5, 30)), GenerationConfig(max_new_tokens=20, temperature=1e-300, seed=1, eos_token_ids=())),
+             (list(range(7, 40)), GenerationConfig(max_new_tokens=20, temperature=0.9, top_p=1e-300, seed=2,
+                                                   eos_token_ids=())),
+             (list(range(9, 33)), GenerationConfig(max_new_tokens=20, temperature=1.1, seed=3, eos_token_ids=()))]
+    greedy = GenerationConfig(max_new_tokens=20, eos_token_ids=())
+    alone = [ModelRunner(model).turn(ModelRunner(model).new_state(), ids, None, gen).tokens for ids, gen in cases]
+    assert alone[0] == ModelRunner(model).turn(ModelRunner(model).new_state(), cases[0][0], None, greedy).tokens
+    runner = ModelRunner(model)
+    scheduler = Scheduler(runner, slots=3)
+    try:
+        got = run_in_threads(lambda i: runner.turn(runner.new_state(), cases[i][0], None, cases[i][1]).tokens,
+                             range(len(cases)), 120)
+    finally:
+        scheduler.close()
+    assert [got[i] for i in range(len(cases))] == alone

@@ -1,5 +1,6 @@
 """The raw store without a model: token counts stored at commit and summed for admission, the legacy backfill,
-thread ids through an index, and migrations m002 and m003 on a database m001 created."""
+thread ids through an index, migrations m002 and m003 on a database m001 created, a request's messages in one
+transaction (all or none), and ids that cannot be session ids answered as missing sessions without a query."""
 
 from __future__ import annotations
 
@@ -15,17 +16,20 @@ from sqlalchemy import (
     Table,
     UniqueConstraint,
     create_engine,
+    event,
+    func,
     insert,
     inspect,
     select,
     text,
     update,
 )
+from sqlalchemy.exc import DBAPIError
 
 from snapkv_sessions.errors import ConfigError
-from snapkv_sessions.store import SessionStore, schema
+from snapkv_sessions.store import NewMessage, SessionStore, StoreError, schema
 from snapkv_sessions.store.hashing import GENESIS, message_hash
-from snapkv_sessions.store.migrations import applied
+from snapkv_sessions.store.migrations import applied, reseal
 
 M002_COLUMNS = {"messages": {"token_count", "pins"}, "sessions": {"thread_id"}}
 M003_COLUMNS = {"messages": {"seal"}, "sessions": {"message_count", "seal"}, "turns": {"seal"}}
@@ -250,3 +254,234 @@ def test_m001_postgresql_database_gets_m002_m003_and_keeps_its_rows():
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA {name} CASCADE"))
         admin.dispose()
+
+
+# ---------------------------------------------------------------------- a request's messages: one transaction
+
+
+class Statements:
+    """The statements the store sends (one per ``execute``/``executemany``), on each of its engines."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.sql: list[str] = []
+        self.engines = {store.engine, store._lock_engine}
+        for engine in self.engines:
+            event.listen(engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, conn, cursor, statement, parameters, context, executemany) -> None:
+        self.sql.append(statement)
+
+    def inserts(self, table: str) -> int:
+        return sum(s.lstrip().upper().startswith(f"INSERT INTO {table.upper()} ") for s in self.sql)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            event.remove(engine, "before_cursor_execute", self._seen)
+
+
+def docs(n: int, first: int = 0) -> list[NewMessage]:
+    return [NewMessage("document", f"doc {first + i}", name=f"d{first + i}", token_count=i + 1) for i in range(n)]
+
+
+def rows_of(store: SessionStore, sid: str) -> dict[str, int]:
+    """How many rows of each table the session has, counted directly."""
+    with store.engine.connect() as conn:
+        return {t.name: conn.execute(select(func.count()).select_from(t).where(
+            (t.c.id if t is schema.sessions else t.c.session_id) == sid)).scalar()
+            for t in (schema.sessions, schema.messages, schema.turns, schema.events)}
+
+
+def test_add_messages_appends_the_chain_in_one_call(store):
+    sid = new_session(store)
+    store.add_message(sid, "system", "Be brief.", token_count=3)
+    rows = store.add_messages(sid, docs(4) + [NewMessage("developer", "Use tools.", pinned=True, pins={"span": "x",
+                                                                                                   "ranges": [(0, 1)]})])
+    assert [r["seq"] for r in rows] == [2, 3, 4, 5, 6]
+    stored = store.messages(sid)
+    assert [(m["role"], m["content"], m["token_count"], m["pinned"]) for m in stored[1:]] == [
+        ("document", "doc 0", 1, False), ("document", "doc 1", 2, False), ("document", "doc 2", 3, False),
+        ("document", "doc 3", 4, False), ("developer", "Use tools.", None, True)]
+    assert stored[-1]["pins"] == {"span": "x", "ranges": [[0, 1]]}
+    assert [r["hash"] for r in rows] == [m["hash"] for m in stored[1:]]
+    row = store.get_session(sid)
+    assert row["head_hash"] == rows[-1]["hash"] and row["message_count"] == 6
+    assert store.content_tokens(sid) == 3 + 1 + 2 + 3 + 4
+    assert store.verify(sid) == []
+    assert store.add_messages(sid, []) == [] and store.get_session(sid)["message_count"] == 6
+    one_turn(store, sid, "q", "a", (1, 1))  # the turns go on after them
+    assert store.verify(sid) == [] and [m["seq"] for m in store.messages(sid)] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("key", [None, "k" * 32])
+def test_appended_rows_are_sealed_as_reseal_seals_them(tmp_path, key):
+    """The seals written with the rows (no read back) are the ones migrations.reseal computes from the stored rows."""
+    store = SessionStore(f"sqlite:///{tmp_path / 's.db'}", seal_key=key)
+    sid = new_session(store)
+    odd_pins = {"span": "tool", "ranges": [(0, 4), (6, 9)], 7: "int key"}  # tuples and an int key, as JSON keeps them
+    store.add_messages(sid, [*docs(3), NewMessage("tool_schema", "{}", pinned=True, pins=odd_pins)])
+    one_turn(store, sid, "q", "a", (1, None))
+    m = schema.messages.c
+    before = {r["seq"]: r["seal"] for r in store.messages(sid)}, store.get_session(sid)["seal"]
+    with store.engine.begin() as conn:
+        reseal(conn, schema.messages, store._key, m.session_id == sid)
+        reseal(conn, schema.sessions, store._key, schema.sessions.c.id == sid)
+    assert ({r["seq"]: r["seal"] for r in store.messages(sid)}, store.get_session(sid)["seal"]) == before
+    assert store.verify(sid) == []
+
+
+def test_appending_n_messages_takes_as_many_statements_as_one(store):
+    """No read per message: one insert of every row, whatever their number."""
+    sid = new_session(store)
+    counts = []
+    for n in (1, 50):
+        seen = Statements(store)
+        try:
+            store.add_messages(sid, docs(n))
+        finally:
+            seen.close()
+        counts.append((len(seen.sql), seen.inserts("messages")))
+    assert counts[0] == counts[1] and counts[0][1] == 1, counts
+    assert store.get_session(sid)["message_count"] == 51 and store.verify(sid) == []
+
+
+FAILURES = ["third row refused by the database", "failure after every row was written"]
+RAISED = {FAILURES[0]: DBAPIError, FAILURES[1]: RuntimeError}  # an IntegrityError (NOT NULL); "disk on fire"
+
+
+def fail_inside(store: SessionStore, monkeypatch, how: str, messages: list[NewMessage]) -> list[NewMessage]:
+    """Make the transaction of ``messages`` fail inside: the 3rd row breaks a NOT NULL constraint (rows 1 and 2 are
+    written first), or the session row's seal, the last statement, raises."""
+    if how == FAILURES[0]:
+        return [*messages[:2], NewMessage(None, "no role"), *messages[3:]]  # type: ignore[arg-type]
+    real = SessionStore._reseal
+
+    def broken(self, conn, table, *where):
+        if table is schema.sessions:  # where: sessions.id == sid
+            m = schema.messages.c
+            written = conn.execute(select(func.count()).select_from(schema.messages).where(
+                m.session_id == where[0].right.value, m.content == messages[-1].content)).scalar()
+            if written:  # every row of the batch is in, uncommitted
+                raise RuntimeError("disk on fire")
+        return real(self, conn, table, *where)
+
+    monkeypatch.setattr(SessionStore, "_reseal", broken)
+    return messages
+
+
+@pytest.mark.parametrize("how", FAILURES)
+def test_add_messages_is_all_or_nothing(store, monkeypatch, how):
+    sid = new_session(store)
+    store.add_messages(sid, docs(2, first=100))
+    before, session = store.messages(sid), store.get_session(sid)
+    seen = Statements(store)
+    batch = fail_inside(store, monkeypatch, how, docs(5))
+    try:
+        with pytest.raises(RAISED[how]):
+            store.add_messages(sid, batch)
+    finally:
+        seen.close()
+    assert seen.inserts("messages") == 1  # the rows were sent: they were rolled back, not never written
+    assert store.messages(sid) == before and len(before) == 2
+    after = store.get_session(sid)
+    assert (after["head_hash"], after["message_count"], after["seal"]) == (session["head_hash"], 2, session["seal"])
+    assert rows_of(store, sid)["messages"] == 2
+    assert store.verify(sid) == []
+    monkeypatch.undo()
+    assert [r["seq"] for r in store.add_messages(sid, docs(5))] == [3, 4, 5, 6, 7]  # the chain goes on at seq 3
+    assert store.verify(sid) == []
+
+
+@pytest.mark.parametrize("how", FAILURES)
+def test_create_session_with_messages_is_all_or_nothing(store, monkeypatch, how):
+    sid = str(uuid.uuid4())
+    batch = fail_inside(store, monkeypatch, how, docs(5))
+    with pytest.raises(RAISED[how]):
+        new_session(store, session_id=sid, messages=batch, thread_id=f"thread-{sid}")
+    assert not store.session_exists(sid)
+    assert rows_of(store, sid) == {"sessions": 0, "messages": 0, "turns": 0, "events": 0}
+    assert store.session_for_thread(f"thread-{sid}") is None
+    monkeypatch.undo()
+    assert new_session(store, session_id=sid, messages=docs(5)) == sid
+    assert [m["content"] for m in store.messages(sid)] == [f"doc {i}" for i in range(5)]
+    assert store.get_session(sid)["message_count"] == 5 and store.verify(sid) == []
+
+
+def test_add_messages_is_refused_while_a_turn_is_pending(store):
+    sid = new_session(store, messages=docs(1))
+    turn, _ = store.begin_turn(sid, "q", None, "p" * 64, "m", {}, None)
+    with pytest.raises(StoreError, match=f"turn {turn} is pending"):
+        store.add_messages(sid, docs(3))
+    assert len(store.messages(sid)) == 2 and store.get_session(sid)["message_count"] == 2
+    store.finish_turn(sid, turn, "a", {}, [], {})
+    assert [r["seq"] for r in store.add_messages(sid, docs(3))] == [4, 5, 6] and store.verify(sid) == []
+
+
+@pytest.mark.parametrize(("bad", "param"), [
+    ([*docs(1), NewMessage("document", "x", token_count=-1)], "messages[1].token_count"),
+    ([*docs(2), NewMessage("document", "x", token_count=True)], "messages[2].token_count"),
+    ([NewMessage("document", "x", turn=1)], "messages[0].turn"),
+    ([NewMessage("document", "x", pinned="yes")], "messages[0].pinned"),  # type: ignore[arg-type]
+    ([NewMessage("document", "x", pins={"a": object()})], "messages[0].pins"),
+    ([*docs(1), {"role": "document", "content": "x"}], "messages[1]"),
+    (NewMessage("document", "x"), "messages"),
+])
+def test_bad_messages_are_refused_before_the_transaction(tmp_path, bad, param):
+    store = SessionStore(f"sqlite:///{tmp_path / 's.db'}")
+    sid = new_session(store)
+    seen = Statements(store)
+    try:
+        with pytest.raises(ConfigError) as err:
+            store.add_messages(sid, bad)
+        assert err.value.param == param
+        with pytest.raises(ConfigError) as err:
+            new_session(store, messages=bad)
+        assert err.value.param == param
+    finally:
+        seen.close()
+    assert seen.sql == [] and store.messages(sid) == [] and len(store.list_sessions()) == 1
+
+
+# ---------------------------------------------------------------------- ids that cannot be session ids
+
+
+NOT_IDS = ["a\x00b", str(uuid.uuid4())[:35] + "\x00", "x" * 10_000, "'; DROP TABLE sessions; --",
+           str(uuid.uuid4()).upper(), "", "../../etc/passwd"]
+
+
+@pytest.mark.parametrize("bad", NOT_IDS, ids=["nul", "nul-uuid", "10k", "quote", "upper", "empty", "path"])
+def test_ids_that_cannot_be_session_ids_are_missing_sessions_without_a_query(store, bad):
+    seen = Statements(store)
+    try:
+        with pytest.raises(StoreError, match="no such session") as err:
+            store.get_session(bad)
+        assert not isinstance(err.value, DBAPIError) and len(str(err.value)) < 300  # the id shown bounded
+        assert store.session_exists(bad) is False
+        assert store.messages(bad) == [] and store.turns(bad) == [] and store.events(bad) == []
+        assert store.pending_turn(bad) is None and store.content_tokens(bad) == 0
+        assert store.messages_without_count(bad) == {} and store.set_token_counts(bad, {1: 3}) == 0
+        assert store.abandon_turn(bad, 1, reason="x") is False and store.hot_state(bad) == {}
+        for call in (lambda: store.delete_session(bad), lambda: store.verify(bad), lambda: store.export(bad),
+                     lambda: store.add_messages(bad, docs(2)), lambda: store.add_message(bad, "system", "x"),
+                     lambda: store.begin_turn(bad, "q", None, "p" * 64, "m", {}, None),
+                     lambda: store.finish_turn(bad, 1, "a", {}, [], {}), lambda: store.add_event(bad, "x", {})):
+            with pytest.raises(StoreError, match="no such session"):
+                call()
+        with pytest.raises(StoreError, match="no such session"), store.lock(bad):
+            pass
+    finally:
+        seen.close()
+    assert seen.sql == []  # answered without asking the database
+    if "\x00" not in bad:  # nothing was stored under it (a NUL cannot even be asked for on PostgreSQL)
+        assert rows_of(store, bad) == {"sessions": 0, "messages": 0, "turns": 0, "events": 0}
+    missing = str(uuid.uuid4())  # a well-formed id of no session is asked for, and answered the same
+    with pytest.raises(StoreError, match="no such session"):
+        store.get_session(missing)
+    assert store.session_exists(missing) is False and store.messages(missing) == []
+
+
+def test_thread_ids_no_store_keeps_are_refused_or_missing(store):
+    with pytest.raises(ConfigError, match=r"^thread_id="):
+        new_session(store, thread_id="a\x00b")
+    assert store.session_for_thread("a\x00b") is None
+    assert store.session_for_thread("t" * 10_000) is None
+    assert store.session_for_thread(f"t-{uuid.uuid4()}", legacy_title="x\x00") is None

@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..chat import Message
-from ..conversations import FINISH, StreamFilter, commit, reply_view, unseen, with_tools
+from ..conversations import FINISH, StreamFilter, reply_view, unseen, with_tools
 from ..errors import ConfigError
 from ..policy import ROLES, Policy
 from ..session import Reply, Session
@@ -353,8 +353,7 @@ class ChatSnapKV(BaseChatModel):
         names = tool_names(tools) if tools else None
         with self._thread_lock(thread_id):
             session, new = self._session_for(thread_id, wanted, names)
-            for message in new[:-1]:
-                commit(session, message)
+            session.add_messages(new[:-1])  # one transaction: all of them or none
             yield _Turn(session, new[-1], generation, names, thread_id)
 
     def _reply_parts(self, turn: _Turn, reply: Reply) -> tuple[str, list[dict], UsageMetadata, dict]:

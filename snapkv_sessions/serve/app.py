@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError, SnapKVError
-from ..store import StoreError
+from ..store import StoreError, StoreUnavailable
 from . import protocol
-from .service import Conflict, NotFound, Service, TurnOutput, TurnRequest, owner_of
+from .service import Conflict, NotFound, Service, TurnOutput, TurnRequest, at_least, owner_of
 from .worker import Busy, DeadlineExceeded, Job, ShuttingDown, Worker
 
 SESSION_HEADER = "X-Session-Id"
@@ -32,12 +33,29 @@ SESSION_HEADER = "X-Session-Id"
 
 @dataclass
 class ServeOptions:
-    """How the server admits work: keys, queue length, per-request deadline."""
+    """How the server admits work: keys, queue length, per-request deadline, the size of one request, shutdown.
+
+    max_messages: messages one request may carry (400 past it, before any is validated); docs: serve ``/docs``,
+    ``/redoc`` and ``/openapi.json`` (behind the key when keys are set); shutdown_grace_s: after SIGTERM, how long
+    running turns may finish before they are stopped (their clients get 503, their turns are abandoned).
+    """
 
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no keys (local use)
     max_queue: int = 16
     request_timeout_s: float = 600.0
     max_body_bytes: int = 8 << 20  # a request body past this is refused (413) before it is parsed
+    max_messages: int = 1024
+    docs: bool = False
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        at_least(self, {"max_queue": 1, "max_body_bytes": 1, "max_messages": 1})
+        for name, low in (("request_timeout_s", 0.0), ("shutdown_grace_s", -1e-9)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low \
+                    or value != value or value == float("inf"):
+                raise ConfigError(name, value, "must be a finite number of seconds > 0" if low == 0
+                                  else "must be a finite number of seconds >= 0")
 
 
 class ApiError(Exception):
@@ -64,7 +82,10 @@ def as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, Busy):
         return ApiError(429, str(exc), "rate_limit_error", None, "queue_full", {"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ShuttingDown):
-        return ApiError(503, str(exc), "server_error", None, "shutting_down")
+        return ApiError(503, str(exc), "server_error", None, "shutting_down", {"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, StoreUnavailable):
+        return ApiError(503, "the session store is not answering in time; nothing of this request was stored",
+                        "server_error", None, "store_unavailable", {"Retry-After": str(exc.retry_after)})
     if isinstance(exc, DeadlineExceeded):
         return ApiError(504, str(exc), "timeout_error", None, "deadline_exceeded")
     if isinstance(exc, (StoreError, SnapKVError)):
@@ -99,7 +120,7 @@ async def read_body(request: Request, max_bytes: int, required: bool = True) -> 
     if not raw.strip() and not required:
         return {}
     try:
-        return json.loads(raw)
+        return protocol.loads(bytes(raw), "body")
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the body must be JSON", "invalid_request_error", "body", "invalid_json") from None
 
@@ -142,15 +163,32 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         await asyncio.to_thread(worker.close)  # the running turns finish; waiting ones are refused
         await asyncio.to_thread(service.close)
 
-    app = FastAPI(title="snapkv-sessions", lifespan=lifespan)
+    # the schema pages are off unless asked for, and then behind the key like every route (see below)
+    app = FastAPI(title="snapkv-sessions", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+
+    def drain() -> None:
+        """SIGTERM (:func:`run_server`): refuse new and waiting requests with 503, give the running turns
+        ``shutdown_grace_s`` to finish, then stop them (503, or a stream's final error event)."""
+        if worker is not None:
+            worker.drain(options.shutdown_grace_s)
+
+    app.state.drain = drain
 
     async def _known(_request: Request, exc: Exception) -> JSONResponse:
         return as_api_error(exc).response()
 
     # the errors a client causes or is told about: answered, not logged as server faults
-    for kind in (ApiError, ConfigError, NotFound, Conflict, Busy, ShuttingDown, DeadlineExceeded):
+    for kind in (ApiError, ConfigError, NotFound, Conflict, Busy, ShuttingDown, DeadlineExceeded, StoreUnavailable):
         app.add_exception_handler(kind, _known)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes (404) and methods (405) in OpenAI's error shape."""
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status_code)
+        message = {404: "no such route", 405: "method not allowed on this route"}.get(exc.status_code, str(exc.detail))
+        return ApiError(exc.status_code, message, "invalid_request_error", None, code,
+                        dict(exc.headers or {})).response()
 
     @app.exception_handler(Exception)
     async def _any_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -172,6 +210,24 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
             job.cancelled.set()
             raise
 
+    if options.docs:
+        from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request) -> dict:
+            owner(request)
+            return app.openapi()
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request):
+            owner(request)
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="snapkv-sessions")
+
+        @app.get("/redoc", include_in_schema=False)
+        async def redoc(request: Request):
+            owner(request)
+            return get_redoc_html(openapi_url="/openapi.json", title="snapkv-sessions")
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         owner(request)
@@ -181,7 +237,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         who = owner(request)
-        req = protocol.parse(await read_json(request))
+        req = protocol.parse(await read_json(request), options.max_messages)
         turn = service.prepare(req, who, request.headers.get(SESSION_HEADER))
         if req.stream:
             return await _stream(request, req, turn)
@@ -192,7 +248,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         assert worker is not None
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        ready: asyncio.Future[str] = loop.create_future()  # the session that serves the turn, once resolved
+        ready: asyncio.Future[str] = loop.create_future()  # the session that serves the turn, once it runs
 
         def emit(text: str) -> None:
             loop.call_soon_threadsafe(pieces.put_nowait, text)
@@ -208,7 +264,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         job.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(pieces.put_nowait, None))
         done = asyncio.wrap_future(job.future)
         try:
-            # which session, and every check before the turn, decide the status: 404, 409, 400 come as such
+            # the session, every check and the turn's prefill decide the status: 404, 409, 400, 503 come as such
             await asyncio.wait([ready, done], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             job.cancelled.set()
@@ -217,6 +273,8 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
             exc = done.exception()
             if exc is not None:
                 raise exc
+            if done.result() is None:  # stopped before its first piece (deadline, shutdown): not a 200
+                raise job.stopped()
         cid = protocol.completion_id()
 
         async def events() -> AsyncIterator[str]:
@@ -226,11 +284,11 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
                     yield json.dumps(protocol.chunk(cid, req.model, {"content": text}))
                 try:
                     out = await done
+                    if out is None:  # stopped between tokens (deadline, shutdown): the turn was abandoned
+                        raise job.stopped()
                 except Exception as exc:  # noqa: BLE001 - the stream is open: the error goes in it
-                    yield json.dumps(protocol.error(str(as_api_error(exc)), as_api_error(exc).kind))
-                    return
-                if out is None:  # stopped at the deadline: the turn was abandoned
-                    yield json.dumps(protocol.error("the request ran past its deadline", "timeout_error"))
+                    err = as_api_error(exc)
+                    yield json.dumps(protocol.error(str(err), err.kind, err.param, err.code))
                     return
                 for data in end_chunks(stream_end(out), req, cid):
                     yield data
@@ -242,7 +300,8 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
                 yield {"data": data}
 
         headers = {SESSION_HEADER: ready.result()} if ready.done() else {}
-        return EventSourceResponse(sse(), headers=headers, ping=15)
+        # the server's own drain ends a stream with an error event; the library must not cut it before that
+        return EventSourceResponse(sse(), headers=headers, ping=15, shutdown_grace_period=options.shutdown_grace_s + 5)
 
     # ------------------------------------------------------------------ sessions
 
@@ -282,3 +341,18 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
 def _extra(out: TurnOutput) -> dict:
     """Fields beside OpenAI's: the session that served the turn (clients send it back as ``X-Session-Id``)."""
     return {"session_id": out.session_id, "turn": out.reply.turn, "context_tokens": out.reply.context_tokens}
+
+
+def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
+    """uvicorn until SIGTERM or Ctrl-C; the signal first drains the app (``app.state.drain``): waiting requests get
+    503 with ``Retry-After``, running turns get ``grace_s`` seconds, then stop cleanly. uvicorn's own graceful
+    timeout is longer, so it never has to cut a request (a bare 500 and a traceback)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 15)
+    Draining(config).run()

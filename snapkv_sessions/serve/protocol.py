@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -18,6 +18,11 @@ from ..chat import Message
 from ..errors import ConfigError
 
 MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # one stop string
+MAX_TOOLS = 128  # as OpenAI
+MAX_METADATA = 16  # pairs, as OpenAI (keys up to 64 characters, values up to 512)
+MAX_JSON_DEPTH = 64  # arrays and objects nested in a body (or in a tool call's arguments): deeper is refused
+SEED_RANGE = (0, 2**63 - 1)  # what a sampler's generator and a BIGINT column both take
 # Accepted and ignored: they change nothing for one local model (values checked in `_check_extras`).
 HARMLESS = {"user", "store", "parallel_tool_calls", "logprobs", "presence_penalty", "frequency_penalty",
             "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -66,16 +71,58 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     n: int = 1
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=MAX_METADATA)
 
 
-def parse(body: object) -> ChatCompletionRequest:
-    """The request, checked; a :class:`ConfigError` names the first bad field (``messages[2].content``)."""
+class TooDeep(ConfigError):
+    """JSON nested past :data:`MAX_JSON_DEPTH`."""
+
+
+def loads(raw: str | bytes, param: str = "body", max_depth: int = MAX_JSON_DEPTH) -> object:
+    """JSON text parsed with its nesting bounded: :class:`TooDeep` naming ``param`` past ``max_depth`` (the parser
+    itself would recurse until a ``RecursionError``); ``json.JSONDecodeError`` / ``UnicodeDecodeError`` as
+    ``json.loads`` raises them."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise TooDeep(param, "<nested JSON>", f"is nested more than {max_depth} levels deep") from None
+    check_depth(value, param, max_depth)
+    return value
+
+
+def check_depth(value: object, param: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse ``value`` when its arrays and objects nest past ``max_depth``; iterative, so no input can make it
+    recurse."""
+    todo: list[tuple[object, int]] = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > max_depth:
+            raise TooDeep(param, "<nested JSON>", f"is nested more than {max_depth} levels deep")
+        todo.extend((child, depth + 1) for child in children)
+
+
+def parse(body: object, max_messages: int | None = None) -> ChatCompletionRequest:
+    """The request, checked; a :class:`ConfigError` names the first bad field (``messages[2].content``).
+
+    ``max_messages``: the most messages one request may carry, checked before any message is validated, so
+    that a body of many thousands of messages is refused at once.
+    """
+    check_depth(body, "body")
+    if max_messages is not None and isinstance(body, dict) and isinstance(body.get("messages"), list) \
+            and len(body["messages"]) > max_messages:
+        raise ConfigError("messages", f"<{len(body['messages'])} messages>",
+                          f"a request carries at most {max_messages} messages")
     try:
         req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -86,8 +133,9 @@ def parse(body: object) -> ChatCompletionRequest:
         raise ConfigError("n", req.n, "only n=1 is supported (one session continues one conversation)")
     _check_extras(req.model_extra or {})
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > MAX_STOPS or any(not s for s in stops):
-        raise ConfigError("stop", req.stop, f"at most {MAX_STOPS} non-empty strings")
+    if len(stops) > MAX_STOPS or any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ConfigError("stop", req.stop, f"at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} "
+                          "characters")
     return req
 
 
@@ -135,7 +183,7 @@ def _text(content: str | list[ContentPart] | None, where: str) -> str:
 
 def _arguments(call: ToolCall, i: int) -> dict:
     try:
-        args = json.loads(call.function.arguments or "{}")
+        args = loads(call.function.arguments or "{}", f"messages[{i}].tool_calls.function.arguments")
     except json.JSONDecodeError:
         raise ConfigError(f"messages[{i}].tool_calls.function.arguments", call.function.arguments,
                           "must be a JSON object") from None

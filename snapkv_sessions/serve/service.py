@@ -25,19 +25,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from ..chat import Message
-from ..conversations import FINISH, StreamFilter, answered, commit, reply_view, unseen, with_tools
-from ..errors import ConfigError
+from .. import interrupts
+from ..admission import Admission
+from ..chat import ChatFormatter, Message
+from ..conversations import FINISH, StreamFilter, answered, reply_view, unseen, with_tools
+from ..errors import ConfigError, bounded_repr
 from ..generation import GenerationConfig
 from ..integrations.openai import tool_names
 from ..models import runner_for
 from ..policy import Policy
 from ..session import Reply, Session
-from ..store import SessionStore, StoreError
+from ..store import SessionStore, StoreError, StoreUnavailable
 from ..store.hashing import GENESIS, message_hash
 from ..tierpool import POOL
 from . import protocol
-from .worker import DeadlineExceeded, Job
+from .worker import Job
 
 BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
 SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
@@ -71,6 +73,12 @@ class Capacity:
 
     def __post_init__(self) -> None:
         at_least(self, {"max_live": 1, "max_tokens": 1, "batch": 0})
+
+    @property
+    def store_connections(self) -> int:
+        """The store's pool: one connection for each worker thread's transaction (one per decode slot, or the
+        one worker), and two to spare. A turn's session lock holds a connection of its own, beside the pool."""
+        return max(self.batch, 1) + 2
 
 
 def at_least(obj: object, bounds: dict[str, int]) -> None:
@@ -152,7 +160,8 @@ class Router:
         if req.seed is not None:
             gen["seed"] = req.seed
         GenerationConfig.from_call(gen)  # a bad combination is refused before anything is stored
-        session_id = session_header or (req.metadata or {}).get("session_id")
+        # an empty header names no session: refused, never taken as "start a new one"
+        session_id = session_header if session_header is not None else (req.metadata or {}).get("session_id")
         if session_id is not None and not SESSION_ID.fullmatch(session_id):
             raise ConfigError("session_id", session_id[:80], "is not a session id")
         return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
@@ -182,12 +191,17 @@ class Router:
 
     def _owned(self, session_id: str, owner: str | None) -> dict:
         """The session row, if it exists and belongs to ``owner``; else :class:`NotFound` (ids leak nothing)."""
+        missing = NotFound(f"no session {bounded_repr(session_id, 80)}")
+        if not SESSION_ID.fullmatch(session_id):  # a NUL, a path, 10,000 characters: never sent to the database
+            raise missing
         try:
             row = self.store.get_session(session_id)
+        except StoreUnavailable:
+            raise
         except StoreError:
-            raise NotFound(f"no session {session_id!r}") from None
+            raise missing from None
         if row.get("owner") != owner:
-            raise NotFound(f"no session {session_id!r}")
+            raise missing
         return row
 
     def sessions(self, owner: str | None) -> list[dict]:
@@ -219,6 +233,10 @@ class Service(Router):
             from ..packed import pack_linears
 
             pack_linears(self.runner.model, rows=8)
+        # admits a request that starts a session before the session exists (a live session admits its own)
+        self.admission = Admission(self.policy.limits, store, None, self.runner.tokenizer,
+                                   getattr(self.runner.model.config, "max_position_embeddings", None),
+                                   ChatFormatter(self.runner.tokenizer))
         self.scheduler = None
         if capacity.batch:
             from ..scheduler import Scheduler
@@ -239,20 +257,31 @@ class Service(Router):
     # ------------------------------------------------------------------ requests
 
     def chat(self, turn: TurnRequest, job: Job) -> TurnOutput:
-        """A whole turn; past the job's deadline it stops between tokens, abandons the turn and raises."""
+        """A whole turn; stopped early (deadline, shutdown) it abandons the turn and raises why."""
         out = self.stream(turn, job, lambda _text: None)
         if out is None:
-            raise DeadlineExceeded("the request ran past its deadline; its turn was abandoned")
+            raise job.stopped()
         return out
 
     def stream(self, turn: TurnRequest, job: Job, emit, resolved=None) -> TurnOutput | None:
-        """Stream a turn: ``emit(text)`` for each piece that may be shown; ``resolved(session_id)`` once the
-        session is found and the earlier messages committed. Stops, abandoning the turn cleanly, when the job is
-        told to (the client left, or the deadline passed); then returns None."""
+        """Stream a turn: ``emit(text)`` for each piece that may be shown; ``resolved(session_id)`` once the turn
+        runs (its session found, the request admitted whole and committed, its first piece decoded), so every
+        refusal before that keeps its status. Stops, abandoning the turn cleanly, when the job is told to (the
+        client left, the deadline passed, the server is stopping), also mid-prefill; then returns None."""
         if job.should_stop():  # the client left while the request waited: nothing is done for it
             return None
-        with self._claim(turn) as (session, new, fresh):
-            return self._turn(turn, job, (session, new, fresh), emit, resolved)
+        try:
+            with interrupts.stop_when(job.should_stop), self._claim(turn) as (session, new, fresh):
+                try:
+                    return self._turn(turn, job, (session, new, fresh), emit, resolved)
+                except StoreError as exc:
+                    if isinstance(exc, StoreUnavailable) or self.store.session_exists(session.id):
+                        raise
+                    self._forget(session.id)
+                    raise NotFound(f"session {session.id} was deleted while this request ran; nothing of its turn "
+                                   "was kept") from None
+        except interrupts.Interrupted:
+            return None
 
     def _turn(self, turn: TurnRequest, job: Job, found: tuple[Session, list[Message], bool], emit,
               resolved) -> TurnOutput | None:
@@ -264,14 +293,17 @@ class Service(Router):
             emit(out.content)
             out.shown = out.content
             return out
-        for message in new[:-1]:
-            commit(session, message)
-        if resolved is not None:
-            resolved(session.id)
+        if not fresh:  # a new session admitted the request whole before it was created (_create)
+            session.admit(new, turn.generation["max_new_tokens"])
+        if job.should_stop():
+            return None
+        session.add_messages(new[:-1])  # one transaction: all of them or none
         shown = StreamFilter(bool(turn.tools))
         pieces: Iterator[str] = session.stream(new[-1], **turn.generation)
         try:
-            for piece in pieces:
+            for i, piece in enumerate(pieces):
+                if i == 0 and resolved is not None:
+                    resolved(session.id)  # the turn runs: from here a failure is told in the stream
                 if job.should_stop():
                     return None
                 text = shown.feed(piece)
@@ -279,6 +311,8 @@ class Service(Router):
                     emit(text)
         finally:
             pieces.close()  # a stream left early abandons its turn: no half turn is stored
+        if resolved is not None:
+            resolved(session.id)  # a reply with no text at all
         out = self._output(turn, session, session.last_reply, fresh)
         out.shown = shown.shown
         return out
@@ -314,7 +348,9 @@ class Service(Router):
 
     def _create(self, turn: TurnRequest, session_id: str | None = None) -> Session:
         """A new session for ``turn`` (under ``session_id`` when a router chose it): the request's earlier
-        messages are its history, and its last message is the turn."""
+        messages are its history, and its last message is the turn. The whole request is admitted first, so a
+        request that cannot run creates nothing."""
+        self.admission.admit_all(turn.wanted, turn.generation["max_new_tokens"], new_session=True)
         options = {"history": turn.wanted[:-1], "owner": turn.owner, "title": "served", "session_id": session_id}
         return Session.create_on(self.runner, self.model_id, self.policy, self.store, options)
 
@@ -400,9 +436,13 @@ class Service(Router):
     def delete(self, session_id: str, owner: str | None) -> dict:
         self._owned(session_id, owner)
         with self._hold(session_id):
-            with self._guard:
-                gone = self.live.pop(session_id, None)
-            if gone is not None:
-                _release(gone)  # its cold tier, and a spill file if it has one
+            self._forget(session_id)
             self.store.delete_session(session_id)
         return {"id": session_id, "object": "session", "deleted": True}
+
+    def _forget(self, session_id: str) -> None:
+        """Drop a live session (deleted): its cold tier, and a spill file if it has one, go back to the pool."""
+        with self._guard:
+            gone = self.live.pop(session_id, None)
+        if gone is not None:
+            _release(gone)

@@ -31,7 +31,10 @@ class DeadlineExceeded(TimeoutError):
 
 
 class ShuttingDown(RuntimeError):
-    """The server is stopping and takes no new work."""
+    """The server is stopping and takes no new work (or stopped this request's turn); retry after
+    ``retry_after`` seconds, on this server once it is back or on another."""
+
+    retry_after = 5
 
 
 @dataclass
@@ -40,13 +43,21 @@ class Job:
     deadline: float  # time.monotonic() after which the job must not start, and should stop
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    shutdown: threading.Event = field(default_factory=threading.Event)  # stopped because the server is stopping
 
     def expired(self) -> bool:
         return time.monotonic() > self.deadline
 
     def should_stop(self) -> bool:
-        """Checked by a running job between steps (tokens): the client left, or the deadline passed."""
-        return self.cancelled.is_set() or self.expired()
+        """Checked by a running job between steps (tokens): the client left, the deadline passed, or the server
+        is stopping."""
+        return self.cancelled.is_set() or self.shutdown.is_set() or self.expired()
+
+    def stopped(self) -> Exception:
+        """Why a job that stopped early did: what its client is told."""
+        if self.shutdown.is_set():
+            return ShuttingDown("the server is shutting down; this request's turn was abandoned (send it again)")
+        return DeadlineExceeded("the request ran past its deadline; its turn was abandoned")
 
 
 class Worker:
@@ -62,6 +73,7 @@ class Worker:
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self.typical_job_s = typical_job_s
         self.closing = False
+        self.running: set[Job] = set()
         self._gate = threading.Lock()  # closing and enqueueing happen one at a time: no job lands after the end
         self.threads = [threading.Thread(target=self._loop, name=f"snapkv-serve-worker-{i}", daemon=True)
                         for i in range(threads)]
@@ -96,10 +108,38 @@ class Worker:
             if job.cancelled.is_set():  # its client left while it waited
                 job.future.set_exception(DeadlineExceeded("the client left before the request ran"))
                 continue
+            with self._gate:
+                self.running.add(job)
             try:
                 job.future.set_result(job.fn(job))
             except BaseException as exc:  # noqa: BLE001 - handed to the request that submitted it
                 job.future.set_exception(exc)
+            finally:
+                with self._gate:
+                    self.running.discard(job)
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking work at once (SIGTERM): waiting jobs are refused (:class:`ShuttingDown`), running ones may
+        finish within ``grace_s`` seconds and are then told to stop (their turns abandoned cleanly). Returns at
+        once: it runs in the signal handler."""
+        with self._gate:
+            self.closing = True
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ShuttingDown("the server is shutting down; this request was not started"))
+        timer = threading.Timer(grace_s, self._stop_running)
+        timer.daemon = True
+        timer.start()
+
+    def _stop_running(self) -> None:
+        with self._gate:
+            running = list(self.running)
+        for job in running:
+            job.shutdown.set()
 
     def close(self, wait_s: float = 30.0) -> None:
         """Finish the running job, refuse the waiting ones, stop the thread."""

@@ -5,6 +5,7 @@ This subpackage never imports torch, so workers that only read or audit sessions
 
 from .hashing import message_hash
 from .locks import LockTimeout
-from .store import SessionStore, StoreError, default_url, is_session_id
+from .store import NewMessage, SessionStore, StoreError, StoreUnavailable, default_url, is_session_id
 
-__all__ = ["LockTimeout", "SessionStore", "StoreError", "default_url", "is_session_id", "message_hash"]
+__all__ = ["LockTimeout", "NewMessage", "SessionStore", "StoreError", "StoreUnavailable", "default_url",
+           "is_session_id", "message_hash"]

@@ -6,6 +6,8 @@ hot state and per-session locks.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import uuid
 import warnings
@@ -16,13 +18,14 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, delete, event, func, insert, make_url, select, update
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import ArgumentError, InterfaceError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from ..errors import ConfigError, SnapKVError
+from ..errors import ConfigError, SnapKVError, bounded_repr
 from . import schema
 from .hashing import GENESIS, message_hash, row_seal
 from .integrity import Integrity, chain_problems, turn_problems
-from .locks import redis_lock, sql_lock
+from .locks import redis_lock, remove_lock_file, sql_lock
 from .migrations import migrate, reseal
 
 
@@ -38,6 +41,20 @@ def is_session_id(value: object) -> bool:
 
 class StoreError(SnapKVError, LookupError):
     """A session, turn or message is missing or inconsistent."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot serve a connection now: every connection of the pool stayed in use for
+    ``pool_timeout_s``, or the server cannot be reached (or dropped the connection before a commit). Nothing was
+    written by the call that raised it; try again after ``retry_after`` seconds (a server answers 503 with
+    ``Retry-After``)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = int(retry_after)
+
+    def __reduce__(self):  # pickled whole (Ray sends errors between processes)
+        return type(self), (str(self), self.retry_after)
 
 
 def default_url() -> str:
@@ -56,8 +73,9 @@ def _now() -> datetime:
 
 
 @dataclass(frozen=True)
-class _NewMessage:
-    """One message to append to a session's hash chain (what :meth:`SessionStore._append` writes)."""
+class NewMessage:
+    """One message to append to a session's hash chain (:meth:`SessionStore.add_messages`,
+    ``create_session(messages=...)``). ``turn`` is set by the store's turn methods only."""
 
     role: str
     content: str
@@ -72,6 +90,41 @@ def _check_count(param: str, value: int | None) -> None:
     """A stored token count is a non-negative int (None: not counted, e.g. a caller without a tokenizer)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ConfigError(param, value, "must be a non-negative int or None")
+
+
+def _checked(messages: Sequence[NewMessage], param: str = "messages") -> list[NewMessage]:
+    """``messages`` checked before any transaction opens."""
+    if isinstance(messages, (str, bytes, NewMessage)) or not isinstance(messages, Sequence):
+        raise ConfigError(param, messages, "must be a sequence of NewMessage")
+    out = []
+    for i, new in enumerate(messages):
+        where = f"{param}[{i}]"
+        if not isinstance(new, NewMessage):
+            raise ConfigError(where, new, "must be a NewMessage")
+        if new.turn is not None:
+            raise ConfigError(f"{where}.turn", new.turn, "is set by begin_turn/finish_turn only; leave it None")
+        if new.pinned not in (True, False):
+            raise ConfigError(f"{where}.pinned", new.pinned, "must be a bool")
+        _check_count(f"{where}.token_count", new.token_count)
+        try:
+            _stored_json(new.pins)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}.pins", new.pins, f"must be JSON data ({exc})") from None
+        out.append(new)
+    return out
+
+
+def _stored_json(value: object) -> object:
+    """A JSON column's value as the database gives it back (tuples as lists, keys as strings)."""
+    return None if value is None else json.loads(json.dumps(value))
+
+
+_THREAD_CHARS = schema.sessions.c.thread_id.type.length
+
+
+def _storable_thread(value: object) -> bool:
+    """Whether a thread id (or title) can be stored and looked up as it is: every database keeps it."""
+    return isinstance(value, str) and 0 < len(value) <= _THREAD_CHARS and "\x00" not in value
 
 
 def _seal_key(key: str | bytes | None) -> bytes | None:
@@ -120,7 +173,20 @@ def _check_exists(url: str) -> None:
         raise StoreError(f"store={_shown(url)!r}: no such database file (nothing was created)")
 
 
-def _make_engine(url: str) -> Engine:
+DEFAULT_POOL_SIZE = 5  # SQLAlchemy's own default
+
+
+def _check_pool(pool_size: int | None, pool_timeout_s: float) -> None:
+    if pool_size is not None and (isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1):
+        raise ConfigError("pool_size", pool_size, "must be an int >= 1 or None")
+    if (isinstance(pool_timeout_s, bool) or not isinstance(pool_timeout_s, (int, float))
+            or not 0 < pool_timeout_s < math.inf):
+        raise ConfigError("pool_timeout_s", pool_timeout_s, "must be a finite number of seconds > 0")
+
+
+def _make_engine(url: str, pool_size: int, pool_timeout_s: float) -> Engine:
+    """The engine of the transactions. On a server (PostgreSQL) it holds at most ``pool_size`` connections and
+    waits at most ``pool_timeout_s`` for one (connecting included); SQLite keeps SQLAlchemy's pool."""
     if url.startswith("sqlite"):
         if url in ("sqlite://", "sqlite:///:memory:"):
             # one in-memory database shared by every thread (each new connection would be a new, empty one)
@@ -131,7 +197,14 @@ def _make_engine(url: str) -> Engine:
             engine = create_engine(url)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    connect_args = {}
+    parsed = make_url(url)
+    if parsed.get_driver_name() in ("psycopg", "psycopg2") and "connect_timeout" not in parsed.query:
+        connect_args["connect_timeout"] = max(2, math.ceil(pool_timeout_s))  # libpq's minimum is 2 s
+    # no overflow: the pool's size is the bound, so that the connections a process holds are known (see
+    # SessionStore) and a full pool is answered within pool_timeout_s instead of opening one more connection
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout_s,
+                         connect_args=connect_args)
 
 
 class SessionStore:
@@ -145,23 +218,113 @@ class SessionStore:
         empty store)
     seal_key: the secret that seals rows (HMAC-SHA256; see :mod:`.hashing`); default ``SNAPKV_SESSIONS_SEAL_KEY``,
         else keyless SHA-256 seals. Every process writing or verifying one store uses the same key.
+    pool_size: on a database server (PostgreSQL), the connections of the transactions' pool, and as many again
+        for the session locks (:meth:`lock` holds one connection, an advisory lock, for the whole turn, from a
+        pool of its own so that held locks never take the transactions' connections): a process holds at most
+        ``2 * pool_size`` connections to the server. Size it for the turns run at once (a server: its decode
+        batch and live sessions). None: SQLAlchemy's default of 5. An SQLite file locks sessions with lock files
+        and holds no connection for them.
+    pool_timeout_s: how long a call waits for a connection (from the pool, or connecting to the server) before
+        it raises :class:`StoreUnavailable`.
+
+    Every call draws a connection only for its own transaction or read. A call that cannot have one in time, or
+    cannot reach the server, raises :class:`StoreUnavailable` (with ``retry_after``) and has written nothing; any
+    other failure inside a transaction rolls the whole transaction back.
     """
 
     def __init__(self, url: str | None = None, redis_url: str | None = None, *, must_exist: bool = False,
-                 seal_key: str | bytes | None = None) -> None:
+                 seal_key: str | bytes | None = None, pool_size: int | None = None,
+                 pool_timeout_s: float = 5.0) -> None:
         """``url``: an SQLAlchemy URL, or a plain file path (an SQLite database)."""
+        _check_pool(pool_size, pool_timeout_s)
         self._key = _seal_key(seal_key)
         self.url = _as_url(url) if url else default_url()
+        self.pool_size = DEFAULT_POOL_SIZE if pool_size is None else pool_size
+        self.pool_timeout_s = float(pool_timeout_s)
+        self.retry_after = max(1, math.ceil(self.pool_timeout_s))
         if must_exist:
             _check_exists(self.url)
         try:
-            self.engine = _make_engine(self.url)
-            with self.engine.begin() as conn:
+            self.engine = _make_engine(self.url, self.pool_size, self.pool_timeout_s)
+        except (ArgumentError, NoSuchModuleError) as exc:
+            raise self._unopened(exc) from None
+        self._server = self.engine.dialect.name != "sqlite"
+        # the session locks' engine: PostgreSQL's advisory locks hold a connection each, from their own pool;
+        # elsewhere no lock holds a connection (lock files, or in-process locks), and the engine only names the store
+        self._lock_engine = self.engine
+        if self.engine.dialect.name == "postgresql":
+            self._lock_engine = _make_engine(self.url, self.pool_size, self.pool_timeout_s)
+        try:
+            with self._begin() as conn:
                 migrate(conn, self._key)
-        except (ArgumentError, NoSuchModuleError, OperationalError, InterfaceError) as exc:
-            raise StoreError(f"store={_shown(self.url)!r}: cannot open it ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:300]})") from None
+        except StoreUnavailable:  # the server cannot be reached now (it may come back: a 503, not a bad URL)
+            self.close()
+            raise
+        except (OperationalError, InterfaceError) as exc:
+            self.close()
+            raise self._unopened(exc) from None
         self.redis = self._connect_redis(redis_url) if redis_url else None
+
+    def _unopened(self, exc: Exception) -> StoreError:
+        return StoreError(f"store={_shown(self.url)!r}: cannot open it ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300]})")
+
+    def close(self) -> None:
+        """Close every pooled connection (both pools); the store opens new ones if it is used again."""
+        self.engine.dispose()
+        if self._lock_engine is not self.engine:
+            self._lock_engine.dispose()
+
+    # ------------------------------------------------------------------ connections
+
+    def _unavailable(self, exc: BaseException) -> StoreUnavailable:
+        if isinstance(exc, PoolTimeout):
+            why = f"no connection free within {self.pool_timeout_s:g} s (a pool of {self.pool_size} is in use)"
+        else:
+            why = f"the database cannot be reached ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]})"
+        return StoreUnavailable(f"store={_shown(self.url)!r}: {why}; retry in {self.retry_after} s",
+                                self.retry_after)
+
+    def _checkout(self, engine: Engine) -> Connection:
+        """A connection of ``engine``, or :class:`StoreUnavailable` when none can be had in time."""
+        try:
+            return engine.connect()
+        except PoolTimeout as exc:
+            raise self._unavailable(exc) from None
+        except (OperationalError, InterfaceError) as exc:
+            if not self._server:  # an SQLite file that cannot be opened is not a passing outage
+                raise
+            raise self._unavailable(exc) from None
+
+    def _lost(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the server dropping the connection (the server then rolls back what was open)."""
+        return self._server and isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """A connection for reads, given back at the end."""
+        with self._checkout(self.engine) as conn:
+            try:
+                yield conn
+            except DBAPIError as exc:
+                if self._lost(exc):
+                    raise self._unavailable(exc) from None
+                raise
+
+    @contextlib.contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """One transaction: committed when the block ends, rolled back (nothing written) when it raises."""
+        with self._checkout(self.engine) as conn:
+            trans = conn.begin()
+            try:
+                yield conn
+            except BaseException as exc:
+                with contextlib.suppress(Exception):
+                    trans.rollback()
+                if self._lost(exc):  # dropped before the commit: the server rolled the transaction back
+                    raise self._unavailable(exc) from None
+                raise
+            trans.commit()  # a connection lost here leaves the outcome unknown: raised as it is
 
     @staticmethod
     def _connect_redis(url: str):
@@ -182,8 +345,22 @@ class SessionStore:
 
     @contextlib.contextmanager
     def lock(self, session_id: str, timeout: float = 600.0) -> Iterator[None]:
-        """Exclusive right to run a turn of ``session_id`` (SQL lock, plus Redis when reachable)."""
-        with sql_lock(self.engine, session_id, timeout), redis_lock(self.redis, session_id, timeout):
+        """Exclusive right to run a turn of ``session_id`` (SQL lock, plus Redis when reachable).
+
+        On PostgreSQL the lock holds one connection of the locks' own pool while it is held (see ``pool_size``);
+        :class:`StoreUnavailable` when none is free within ``pool_timeout_s``, :class:`~.locks.LockTimeout` when
+        another worker keeps the session past ``timeout``.
+        """
+        if not is_session_id(session_id):
+            raise self._no_such(session_id)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(sql_lock(self._lock_engine, session_id, timeout))
+            except (PoolTimeout, OperationalError, InterfaceError) as exc:
+                if not self._server:
+                    raise
+                raise self._unavailable(exc) from None
+            held.enter_context(redis_lock(self.redis, session_id, timeout))
             yield
 
     def _hot_set(self, session_id: str, **fields: object) -> None:
@@ -199,7 +376,7 @@ class SessionStore:
 
     def hot_state(self, session_id: str) -> dict[str, str]:
         """What Redis holds for the session (empty without Redis)."""
-        if self.redis is None:
+        if self.redis is None or not is_session_id(session_id):
             return {}
         import redis
 
@@ -213,8 +390,10 @@ class SessionStore:
 
     def create_session(self, model_id: str, policy_json: str, policy_sha256: str, title: str | None = None,
                        meta: dict | None = None, *, thread_id: str | None = None, owner: str | None = None,
-                       session_id: str | None = None) -> str:
-        """A new, empty session; returns its id.
+                       session_id: str | None = None, messages: Sequence[NewMessage] = ()) -> str:
+        """A new session, holding ``messages`` (its first messages: system, history); returns its id.
+
+        The session and its messages are one transaction: when any part fails nothing at all is stored.
 
         ``thread_id`` ties it to an agent framework's conversation (LangChain's ``thread_id``), found again with
         :meth:`session_for_thread` through an index. ``owner``: who may use it (the server stores a digest of the
@@ -225,18 +404,21 @@ class SessionStore:
             raise ConfigError("session_id", str(session_id)[:80], "must be a UUID in canonical form")
         if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 64):
             raise ConfigError("owner", owner, "must be a non-empty string of at most 64 characters")
-        if thread_id is not None and (not isinstance(thread_id, str) or not thread_id
-                                      or len(thread_id) > schema.sessions.c.thread_id.type.length):
-            raise ConfigError("thread_id", thread_id,
-                              f"must be a non-empty string of at most {schema.sessions.c.thread_id.type.length} characters")
+        if thread_id is not None and not _storable_thread(thread_id):
+            raise ConfigError("thread_id", thread_id, f"must be a non-empty string of at most {_THREAD_CHARS} "
+                              "characters, without NUL")
+        first = _checked(messages)
         sid = session_id or str(uuid.uuid4())
         now = _now()
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             conn.execute(insert(schema.sessions).values(
                 id=sid, created_at=now, updated_at=now, model_id=model_id, policy_json=policy_json,
                 policy_sha256=policy_sha256, title=title, turns_done=0, head_hash=GENESIS, meta=meta or {},
                 thread_id=thread_id, message_count=0, owner=owner))
-            self._reseal(conn, schema.sessions, schema.sessions.c.id == sid)
+            if first:
+                self._append(conn, sid, first, (GENESIS, 0))  # reseals the session row
+            else:
+                self._reseal(conn, schema.sessions, schema.sessions.c.id == sid)
         return sid
 
     def _reseal(self, conn: Connection, table, *where) -> None:
@@ -254,8 +436,10 @@ class SessionStore:
         fallback reads only when the indexed lookup misses.
         """
         cols = schema.sessions.c
+        if not _storable_thread(thread_id):  # no session can hold it (create_session refuses it)
+            return None
         found = self._newest_session(cols.thread_id == thread_id, model_id, policy_sha256)
-        if found is None and legacy_title is not None:
+        if found is None and legacy_title is not None and _storable_thread(legacy_title):
             found = self._newest_session((cols.title == legacy_title) & cols.thread_id.is_(None), model_id,
                                          policy_sha256)
         return found
@@ -268,7 +452,7 @@ class SessionStore:
         if policy_sha256 is not None:
             q = q.where(cols.policy_sha256 == policy_sha256)
         q = q.order_by(cols.created_at.desc(), cols.id.desc()).limit(1)
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return conn.execute(q).scalar()
 
     def sessions_at_head(self, owner: str | None, heads: Sequence[str], *, model_id: str | None = None,
@@ -285,19 +469,29 @@ class SessionStore:
         if policy_sha256 is not None:
             q = q.where(cols.policy_sha256 == policy_sha256)
         q = q.order_by(cols.updated_at.desc(), cols.id.desc())
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
+    def _no_such(self, session_id: object) -> StoreError:
+        return StoreError(f"session_id={bounded_repr(session_id, 80)}: no such session in {self!r}")
+
+    # Every method taking a session id answers a value that is not one (is_session_id) as it answers a missing
+    # session, without asking the database: such an id (a NUL, 10,000 characters) is no driver error.
+
     def session_exists(self, session_id: str) -> bool:
-        with self.engine.connect() as conn:
+        if not is_session_id(session_id):
+            return False
+        with self._connect() as conn:
             found = conn.execute(select(schema.sessions.c.id).where(schema.sessions.c.id == session_id)).first()
         return found is not None
 
     def get_session(self, session_id: str) -> dict:
-        with self.engine.connect() as conn:
+        if not is_session_id(session_id):
+            raise self._no_such(session_id)
+        with self._connect() as conn:
             row = conn.execute(select(schema.sessions).where(schema.sessions.c.id == session_id)).mappings().first()
         if row is None:
-            raise StoreError(f"session_id={session_id!r}: no such session in {self!r}")
+            raise self._no_such(session_id)
         return dict(row)
 
     def list_sessions(self, *, owner: str | None = None, any_owner: bool = True) -> list[dict]:
@@ -308,59 +502,87 @@ class SessionStore:
         if not any_owner:
             cols = schema.sessions.c
             q = q.where(cols.owner.is_(None) if owner is None else cols.owner == owner)
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
     def delete_session(self, session_id: str) -> None:
         self.get_session(session_id)
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             for table in (schema.events, schema.turns, schema.messages):
                 conn.execute(delete(table).where(table.c.session_id == session_id))
             conn.execute(delete(schema.sessions).where(schema.sessions.c.id == session_id))
+        remove_lock_file(self.engine, session_id)  # once the session is gone (see remove_lock_file)
 
     # ------------------------------------------------------------------ messages
 
-    def _append(self, conn: Connection, session_id: str, new: _NewMessage) -> dict:
-        """Append one message to the hash chain inside the caller's transaction."""
+    def _head(self, conn: Connection, session_id: str) -> tuple[str, int]:
+        """The session's head hash and last seq, its row locked until the transaction ends (appends serialised)."""
         sess = conn.execute(select(schema.sessions.c.head_hash).where(schema.sessions.c.id == session_id)
                             .with_for_update()).first()
         if sess is None:
             raise StoreError(f"session_id={session_id!r}: no such session")
         seq = conn.execute(select(func.coalesce(func.max(schema.messages.c.seq), 0))
-                           .where(schema.messages.c.session_id == session_id)).scalar() + 1
-        digest = message_hash(sess.head_hash, seq, new.role, new.name, new.content)
-        row = dict(session_id=session_id, seq=seq, role=new.role, name=new.name, content=new.content,
-                   pinned=new.pinned, status="active", turn=new.turn, token_count=new.token_count, pins=new.pins,
-                   prev_hash=sess.head_hash, hash=digest, created_at=_now())
-        conn.execute(insert(schema.messages).values(**row))
+                           .where(schema.messages.c.session_id == session_id)).scalar()
+        return sess.head_hash, seq
+
+    def _append(self, conn: Connection, session_id: str, news: Sequence[NewMessage], head: tuple[str, int]) -> list[dict]:
+        """Append ``news`` (checked by :func:`_checked`, or built by the store) to the hash chain after ``head``
+        (:meth:`_head`), inside the caller's transaction: one insert of every row, sealed here as
+        :func:`~.migrations.reseal` seals the stored row, and one update of the session row."""
+        prev, seq = head
+        now = _now()
+        rows = []
+        for new in news:
+            seq += 1
+            digest = message_hash(prev, seq, new.role, new.name, new.content)
+            # each column as the database gives it back, so that the seal computed here is the one reseal computes
+            row = dict(session_id=session_id, seq=seq, role=new.role, name=new.name, content=new.content,
+                       pinned=bool(new.pinned), status="active", turn=new.turn, token_count=new.token_count,
+                       pins=_stored_json(new.pins), prev_hash=prev, hash=digest, created_at=now)
+            rows.append(row)
+            prev = digest
+        if not rows:
+            return []
+        conn.execute(insert(schema.messages), [{**row, "seal": row_seal(self._key, "messages", row)} for row in rows])
         conn.execute(update(schema.sessions).where(schema.sessions.c.id == session_id)
-                     .values(head_hash=digest, message_count=seq, updated_at=row["created_at"]))
-        self._reseal(conn, schema.messages, schema.messages.c.session_id == session_id, schema.messages.c.seq == seq)
+                     .values(head_hash=prev, message_count=seq, updated_at=now))
         self._reseal(conn, schema.sessions, schema.sessions.c.id == session_id)
-        return row
+        return rows
 
-    def add_message(self, session_id: str, role: str, content: str, name: str | None = None,
-                    pinned: bool = False, *, token_count: int | None = None, pins: dict | None = None) -> dict:
-        """Commit one message (system, document, ...) outside a turn.
+    def add_messages(self, session_id: str, messages: Sequence[NewMessage]) -> list[dict]:
+        """Commit ``messages`` (system, document, history, ...) outside a turn, in one transaction: all of them
+        or, when anything fails, none. Returns the rows written, in order.
 
-        ``token_count``: the content's tokens, counted once by the caller (see :meth:`content_tokens`);
-        ``pins``: its pinned character ranges, found once by the caller.
+        Refused (nothing written) while a turn is pending: its reply must follow its question. Each message is
+        checked (its ``token_count``: content tokens counted once by the caller, see :meth:`content_tokens`;
+        ``pins``: its pinned character ranges) before the transaction opens.
         """
-        _check_count("token_count", token_count)
-        with self.engine.begin() as conn:
+        news = _checked(messages)
+        if not is_session_id(session_id):
+            raise self._no_such(session_id)
+        with self._begin() as conn:
+            head = self._head(conn, session_id)  # first: a turn begun meanwhile is seen below
             t = schema.turns.c
             pending = conn.execute(select(t.turn).where(t.session_id == session_id, t.status == "pending")).first()
             if pending is not None:  # its reply must follow its question: nothing may come in between
                 raise StoreError(f"session_id={session_id!r}: turn {pending.turn} is pending; resolve it first "
                                  "(Session.open answers or abandons it)")
-            return self._append(conn, session_id, _NewMessage(role, content, name, pinned, token_count=token_count,
-                                                              pins=pins))
+            return self._append(conn, session_id, news, head)
+
+    def add_message(self, session_id: str, role: str, content: str, name: str | None = None,
+                    pinned: bool = False, *, token_count: int | None = None, pins: dict | None = None) -> dict:
+        """Commit one message (system, document, ...) outside a turn: :meth:`add_messages` of one."""
+        _check_count("token_count", token_count)
+        return self.add_messages(session_id, [NewMessage(role, content, name, pinned, token_count=token_count,
+                                                         pins=pins)])[0]
 
     def messages(self, session_id: str, include_abandoned: bool = True) -> list[dict]:
+        if not is_session_id(session_id):
+            return []
         q = select(schema.messages).where(schema.messages.c.session_id == session_id).order_by(schema.messages.c.seq)
         if not include_abandoned:
             q = q.where(schema.messages.c.status == "active")
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
     # ------------------------------------------------------------------ token counts (admission)
@@ -372,19 +594,32 @@ class SessionStore:
         add nothing: find them with :meth:`messages_without_count` and store their counts with
         :meth:`set_token_counts` first.
         """
+        if not is_session_id(session_id):
+            return 0
         m = schema.messages.c
         q = (select(func.coalesce(func.sum(m.token_count), 0))
              .where(m.session_id == session_id, m.status == "active"))
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
+            return int(conn.execute(q).scalar())
+
+    def active_messages(self, session_id: str) -> int:
+        """How many active messages the session holds (admission bounds their template markup by it)."""
+        if not is_session_id(session_id):
+            return 0
+        m = schema.messages.c
+        q = select(func.count()).select_from(schema.messages).where(m.session_id == session_id, m.status == "active")
+        with self._connect() as conn:
             return int(conn.execute(q).scalar())
 
     def messages_without_count(self, session_id: str) -> dict[int, str]:
         """``{seq: content}`` of the session's active messages that have no ``token_count`` yet."""
+        if not is_session_id(session_id):
+            return {}
         m = schema.messages.c
         q = (select(m.seq, m.content)
              .where(m.session_id == session_id, m.status == "active", m.token_count.is_(None))
              .order_by(m.seq))
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return {row.seq: row.content for row in conn.execute(q)}
 
     def set_token_counts(self, session_id: str, counts: Mapping[int, int]) -> int:
@@ -396,8 +631,10 @@ class SessionStore:
         m = schema.messages.c
         for seq, n in counts.items():
             _check_count(f"counts[{seq}]", n)
+        if not is_session_id(session_id):
+            return 0
         done = 0
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             for seq, n in counts.items():
                 changed = conn.execute(update(schema.messages)
                                        .where(m.session_id == session_id, m.seq == seq, m.token_count.is_(None))
@@ -417,11 +654,14 @@ class SessionStore:
         ``token_count``: the message content's tokens, counted once by the caller.
         """
         _check_count("token_count", token_count)
-        with self.engine.begin() as conn:
+        if not is_session_id(session_id):
+            raise self._no_such(session_id)
+        with self._begin() as conn:
+            head = self._head(conn, session_id)  # first: two workers never number the same turn
             turn = conn.execute(select(func.coalesce(func.max(schema.turns.c.turn), 0))
                                 .where(schema.turns.c.session_id == session_id)).scalar() + 1
-            msg = self._append(conn, session_id, _NewMessage(role, content, name, turn=turn, token_count=token_count,
-                                                                      pins=pins))
+            msg, = self._append(conn, session_id, [NewMessage(role, content, name, turn=turn, token_count=token_count,
+                                                              pins=pins)], head)
             conn.execute(insert(schema.turns).values(
                 session_id=session_id, turn=turn, status="pending", user_seq=msg["seq"], policy_sha256=policy_sha256,
                 model_id=model_id, generation=generation, seed=seed, created_at=_now()))
@@ -436,9 +676,11 @@ class SessionStore:
         ``token_count``: the reply content's tokens (as stored, before any stop-string cut), counted once.
         """
         _check_count("token_count", token_count)
-        with self.engine.begin() as conn:
-            msg = self._append(conn, session_id, _NewMessage("assistant", reply, turn=turn, token_count=token_count,
-                                                                      pins=pins))
+        if not is_session_id(session_id):
+            raise self._no_such(session_id)
+        with self._begin() as conn:
+            msg, = self._append(conn, session_id, [NewMessage("assistant", reply, turn=turn, token_count=token_count,
+                                                              pins=pins)], self._head(conn, session_id))
             conn.execute(update(schema.turns).where(schema.turns.c.session_id == session_id,
                                                     schema.turns.c.turn == turn)
                          .values(status="done", assistant_seq=msg["seq"], finished_at=_now(), **record))
@@ -463,8 +705,10 @@ class SessionStore:
         pending turn is closed: a turn that was committed (done) before the failure stays as it is; returns
         whether the turn was closed here.
         """
+        if not is_session_id(session_id):
+            return False
         t = schema.turns.c
-        with self.engine.begin() as conn:
+        with self._begin() as conn:
             row = conn.execute(select(schema.turns).where(t.session_id == session_id, t.turn == turn,
                                                           t.status == "pending")).mappings().first()
             if row is None:
@@ -485,15 +729,19 @@ class SessionStore:
         return True
 
     def add_event(self, session_id: str, kind: str, payload: dict, turn: int | None = None) -> None:
-        with self.engine.begin() as conn:
+        if not is_session_id(session_id):
+            raise self._no_such(session_id)
+        with self._begin() as conn:
             conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind=kind, payload=payload,
                                                       created_at=_now()))
 
     def turns(self, session_id: str, status: str | None = None) -> list[dict]:
+        if not is_session_id(session_id):
+            return []
         q = select(schema.turns).where(schema.turns.c.session_id == session_id).order_by(schema.turns.c.turn)
         if status is not None:
             q = q.where(schema.turns.c.status == status)
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
     def pending_turn(self, session_id: str) -> dict | None:
@@ -501,8 +749,10 @@ class SessionStore:
         return pending[-1] if pending else None
 
     def events(self, session_id: str) -> list[dict]:
+        if not is_session_id(session_id):
+            return []
         q = select(schema.events).where(schema.events.c.session_id == session_id).order_by(schema.events.c.id)
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
     # ------------------------------------------------------------------ integrity

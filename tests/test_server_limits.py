@@ -1,0 +1,361 @@
+"""Server hardening (issue 29), against a live server (uvicorn subprocess, SmolLM2 bundle, SQLite or PostgreSQL):
+one client's bad parameter never touches another's turn, a request is bounded and admitted whole before anything
+is stored, bad input is a 4xx naming the field with nothing stored, SIGTERM stops turns cleanly, and the small
+faults a probe found. The store failing midway is shown in process (the store is made to fail), so is the pool.
+
+Everything binds to and talks to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import PG_URL, bundle_available, run_in_threads
+
+pytest.importorskip("openai")
+
+from test_serve import KEY_A, MODEL, Server  # noqa: E402
+
+from snapkv_sessions.store import SessionStore  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.bundle]
+STORY = [{"role": "system", "content": "You are a storyteller."},
+         {"role": "user", "content": "Write a long story about a river and a boat."}]
+
+
+def _need_bundle() -> None:
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    _need_bundle()
+    server = Server(tmp_path_factory.mktemp("limits"), "--api-key", KEY_A, "--batch", "4", "--docs",
+                    "--max-messages", "1024")
+    yield server
+    assert server.stop() in (0, -signal.SIGTERM)
+    assert "Traceback" not in (server.db.parent / "serve.log").read_text()
+
+
+def _stored(server: Server) -> tuple[int, int, int]:
+    """(sessions, messages, turns) in the server's store, read by another process as an operator would."""
+    store = SessionStore(f"sqlite:///{server.db}")
+    rows = store.list_sessions()
+    return len(rows), sum(len(store.messages(r["id"])) for r in rows), sum(len(store.turns(r["id"])) for r in rows)
+
+
+def _chat(server: Server, body: dict, headers: dict | None = None) -> httpx.Response:
+    return server.post("/chat/completions", {"model": MODEL, **body}, headers=headers)
+
+
+def _stream_text(server: Server, body: dict, started: threading.Event | None = None) -> tuple[str, list[dict]]:
+    """A streamed request's text and its events (error events included)."""
+    events, text = [], []
+    payload = {"model": MODEL, **body, "stream": True}
+    with httpx.stream("POST", f"{server.url}/chat/completions", json=payload, headers=server.auth(KEY_A),
+                      timeout=120) as res:
+        assert res.status_code == 200, res.read()
+        for line in res.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            events.append(event)
+            piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if piece:
+                text.append(piece)
+                if started is not None:
+                    started.set()
+    return "".join(text), events
+
+
+# ---------------------------------------------------------------------- 1. one client's bad sampling parameter
+
+
+@pytest.mark.parametrize("bad", [{"temperature": 1e-300}, {"temperature": 1e-40},
+                                 {"temperature": 1.0, "top_p": 1e-300, "seed": 3}])
+def test_a_bad_sampling_value_never_fails_another_clients_turn(srv, bad):
+    alone, _ = _stream_text(srv, {"messages": STORY, "max_tokens": 48})
+    assert len(alone) > 40  # long enough to be decoding while the other request runs
+    started, results = threading.Event(), {}
+
+    def victim() -> None:
+        results["victim"] = _stream_text(srv, {"messages": STORY, "max_tokens": 48}, started)[0]
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert started.wait(60)
+    res = _chat(srv, {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, **bad})
+    thread.join(120)
+    assert res.status_code == 200, res.text  # numerically safe: a vanishing temperature or top_p is greedy
+    assert results["victim"] == alone  # decoded beside the bad one, the victim's reply is its reply alone
+    greedy = _chat(srv, {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
+    assert res.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+
+
+# ---------------------------------------------------------------------- 2 and 4. bounded, admitted whole
+
+
+def test_a_huge_request_is_refused_at_once_and_stores_nothing(srv):
+    first = _chat(srv, {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2})
+    assert first.status_code == 200
+    earlier = [{"role": "user", "content": "Hi."}, {"role": "assistant",
+                                                    "content": first.json()["choices"][0]["message"]["content"]}]
+    before = _stored(srv)
+    tiny = [{"role": "user" if i % 2 else "assistant", "content": "x"} for i in range(40_001)]
+    t0 = time.perf_counter()
+    res = _chat(srv, {"messages": earlier + tiny[1:], "max_tokens": 2})  # continues the session by content hash
+    assert time.perf_counter() - t0 < 1.0
+    assert res.status_code == 400 and res.json()["error"]["param"] == "messages", res.text
+    assert "at most 1024 messages" in res.json()["error"]["message"]
+    assert _stored(srv) == before
+
+
+def test_rendered_tokens_decide_admission_before_anything_is_stored(srv):
+    """1,001 short messages: their content fits SmolLM2's 8,192 positions, their rendering (role markers and
+    separators around each) does not. Refused whole, quickly, with nothing stored; a reply cap that overflows
+    the context is refused the same way, naming max_tokens."""
+    before = _stored(srv)
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "one two three"} for i in range(1001)]
+    t0 = time.perf_counter()
+    res = _chat(srv, {"messages": msgs, "max_tokens": 2})
+    assert time.perf_counter() - t0 < 1.0
+    assert res.status_code == 400 and res.json()["error"]["param"] == "model.max_position_embeddings", res.text
+    assert 3 * 1001 < 8192 < int(res.json()["error"]["message"].split("would hold ")[1].split()[0])
+    res = _chat(srv, {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 8190})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "max_tokens", res.text
+    streamed = srv.post("/chat/completions", {"model": MODEL, "messages": msgs, "stream": True})
+    assert streamed.status_code == 400  # a stream refused by admission keeps its status (not 200 + an event)
+    assert _stored(srv) == before
+
+
+# ---------------------------------------------------------------------- 5. 500s from input
+
+
+def _deep(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"metadata": {"a": _deep(5000)}}, "body"),
+    ({"metadata": {"a": _deep(70)}}, "body"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _deep(5000)}}]}, "body"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"stop": ["x" * 300]}, "stop"),
+])
+def test_bad_input_is_a_400_naming_the_field_and_stores_nothing(srv, body, param):
+    before = _stored(srv)
+    res = _chat(srv, {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, **body})
+    assert res.status_code == 400, res.text
+    assert res.json()["error"]["param"] == param
+    assert len(res.text) < 2000
+    assert _stored(srv) == before
+
+
+def test_deep_tool_call_arguments_are_refused_before_anything_is_stored(srv):
+    before = _stored(srv)
+    args = "[" * 5000 + "]" * 5000
+    msgs = [{"role": "user", "content": "Call it."},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    res = _chat(srv, {"messages": msgs, "max_tokens": 2})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "messages[1].tool_calls.function.arguments"
+    assert _stored(srv) == before
+
+
+# ---------------------------------------------------------------------- 7. the smaller faults
+
+
+def test_small_faults(srv):
+    before = _stored(srv)
+    hi = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    res = _chat(srv, hi, headers={"X-Session-Id": ""})
+    assert res.status_code == 400 and res.json()["error"]["param"] == "session_id"
+    long_id = "a" * 10_000
+    res = srv.get(f"/sessions/{long_id}")
+    assert res.status_code == 404 and len(res.text) < 500
+    for path in (f"/sessions/{'%00'}", "/sessions/..%2F..%2Fetc"):
+        assert srv.get(path).status_code == 404
+    res = httpx.get(f"{srv.url}/no-such-route", headers=srv.auth(KEY_A))
+    assert res.status_code == 404 and res.json()["error"]["code"] == "unknown_route"
+    res = httpx.put(f"{srv.url}/chat/completions", headers=srv.auth(KEY_A))
+    assert res.status_code == 405 and res.json()["error"]["type"] == "invalid_request_error"
+    root = srv.url.removesuffix("/v1")
+    for page in ("/docs", "/redoc", "/openapi.json"):  # asked for (--docs), and behind the key
+        assert httpx.get(root + page).status_code == 401
+        assert httpx.get(root + page, headers=srv.auth(KEY_A)).status_code == 200
+    assert _stored(srv) == before
+
+
+def test_a_session_deleted_mid_turn_ends_its_stream_saying_so(srv):
+    started, out = threading.Event(), {}
+
+    def stream() -> None:
+        out["text"], out["events"] = _stream_text(srv, {"messages": STORY, "max_tokens": 200}, started)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    store = SessionStore(f"sqlite:///{srv.db}")
+    newest = max(store.list_sessions(), key=lambda r: r["created_at"])
+    store.delete_session(newest["id"])  # as `snapkv-sessions sessions delete` does, from another process
+    thread.join(120)
+    error = out["events"][-1].get("error")
+    assert error is not None and "was deleted" in error["message"], out["events"][-1]
+    assert "Error" not in error["message"]  # no store exception class named
+    assert not store.session_exists(newest["id"])
+
+
+# ---------------------------------------------------------------------- 6. SIGTERM mid-turn
+
+
+def test_sigterm_mid_turn_is_503_and_a_final_event_and_nothing_pending(tmp_path):
+    _need_bundle()
+    server = Server(tmp_path, "--api-key", KEY_A, "--batch", "2", "--shutdown-grace", "1")
+    results: dict = {}
+    started = threading.Event()
+    try:
+        assert httpx.get(server.url.removesuffix("/v1") + "/docs").status_code == 404  # off unless asked
+
+        def plain() -> None:
+            results["plain"] = _chat(server, {"messages": STORY, "max_tokens": 2000})
+
+        def streamed() -> None:
+            results["stream"] = _stream_text(server, {"messages": STORY[1:], "max_tokens": 2000}, started)
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        code = server.proc.wait(60)
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
+    assert code in (0, -signal.SIGTERM)
+    plain = results["plain"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "shutting_down"
+    assert int(plain.headers["Retry-After"]) >= 1
+    last = results["stream"][1][-1]
+    assert last["error"]["code"] == "shutting_down"
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    store = SessionStore(f"sqlite:///{server.db}")
+    for row in store.list_sessions():
+        assert [t["status"] for t in store.turns(row["id"])] == ["abandoned"]
+        assert store.verify(row["id"]) == []
+
+
+# ---------------------------------------------------------------------- 3. PostgreSQL: connections per turn
+
+
+@pytest.mark.service
+def test_sixteen_turns_at_once_on_postgresql(tmp_path):
+    _need_bundle()
+    from conftest import pg_store
+
+    pg_store()  # skips when PostgreSQL is not reachable
+    server = Server(tmp_path, "--api-key", KEY_A, "--batch", "16", "--db", PG_URL)
+    try:
+        def one(i: int) -> int:
+            res = _chat(server, {"messages": [{"role": "user", "content": f"Count to {i}. ({time.time()})"}],
+                                 "max_tokens": 6})
+            return res.status_code
+
+        codes = run_in_threads(one, range(16), 300)
+        assert sorted(codes.values()) == [200] * 16
+        assert server.get("/sessions/%00").status_code == 404  # a NUL never reaches PostgreSQL
+    finally:
+        server.stop()
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log and "QueuePool" not in log
+
+
+# ---------------------------------------------------------------------- the HTTP fuzz suite
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+                    st.text(max_size=30), st.sampled_from(["", "\x00", "\ud800"[:0] + "\u202e", "💥" * 5, "user"]))
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                     st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+                    max_leaves=20)
+ROLES = st.sampled_from(["system", "developer", "user", "assistant", "tool", "document", "evil", ""])
+MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": ROLES, "content": st.one_of(st.text(max_size=40), JSON)},
+                          optional={"name": JSON, "tool_call_id": JSON, "tool_calls": JSON, "extra": JSON}),
+    JSON)
+FIELDS = {
+    "model": st.one_of(st.just(MODEL), JSON),
+    "messages": st.one_of(st.lists(MESSAGE, min_size=0, max_size=4), JSON),
+    "max_tokens": st.one_of(st.integers(-3, 6), st.just(10**20), JSON),
+    "temperature": st.one_of(st.floats(-1, 3), st.just(1e-300), JSON),
+    "top_p": st.one_of(st.floats(-1, 2), st.just(1e-300), JSON),
+    "seed": st.one_of(st.integers(-(2**64), 2**64), JSON),
+    "stop": JSON, "stream": JSON, "n": JSON, "metadata": JSON, "tools": JSON, "tool_choice": JSON,
+    "stream_options": JSON, "logprobs": JSON, "presence_penalty": JSON, "whatever": JSON,
+}
+BODY = st.one_of(st.fixed_dictionaries({"model": st.just(MODEL), "max_tokens": st.integers(1, 4),
+                                        "messages": st.lists(MESSAGE, min_size=1, max_size=3)},
+                                       optional={k: v for k, v in FIELDS.items() if k not in ("model", "messages")}),
+                 st.dictionaries(st.sampled_from(sorted(FIELDS)), JSON, max_size=6), JSON)
+FUZZ_CASES = []
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=BODY)
+def test_fuzzed_bodies_get_2xx_or_4xx_and_a_4xx_stores_nothing(srv, body):
+    before = _stored(srv)
+    try:
+        raw = json.dumps(body, allow_nan=True)
+    except (UnicodeEncodeError, ValueError):
+        raw = json.dumps(body, allow_nan=True, ensure_ascii=True)
+    res = httpx.post(f"{srv.url}/chat/completions", content=raw.encode("utf-8", "surrogatepass"),
+                     headers={**srv.auth(KEY_A), "Content-Type": "application/json"}, timeout=120)
+    FUZZ_CASES.append(res.status_code)
+    assert res.status_code < 500, (body, res.text)
+    if res.status_code >= 400:
+        assert res.json()["error"]["type"] in ("invalid_request_error", "rate_limit_error")
+        assert _stored(srv) == before, (body, res.text)
+
+
+def test_fuzzed_requests_beside_valid_ones_never_change_their_replies(srv):
+    """Valid streamed requests decode beside a stream of fuzzed ones (the batched server): every valid reply
+    equals the same request alone."""
+    alone, _ = _stream_text(srv, {"messages": STORY, "max_tokens": 24})
+    stop = threading.Event()
+    replies: list[str] = []
+
+    def victim() -> None:
+        while not stop.is_set():
+            replies.append(_stream_text(srv, {"messages": STORY, "max_tokens": 24})[0])
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    try:
+        for body in (BODY.example() for _ in range(40)):
+            res = httpx.post(f"{srv.url}/chat/completions", content=json.dumps(body).encode(),
+                             headers={**srv.auth(KEY_A), "Content-Type": "application/json"}, timeout=120)
+            assert res.status_code < 500, (body, res.text)
+    finally:
+        stop.set()
+        thread.join(120)
+    assert replies and all(r == alone for r in replies), replies
+    print(f"fuzz: {len(FUZZ_CASES)} bodies ({sum(c < 300 for c in FUZZ_CASES)} 2xx); {len(replies)} valid replies "
+          "beside 40 fuzzed requests")
