@@ -137,11 +137,16 @@ def test_rendered_tokens_decide_admission_before_anything_is_stored(srv):
 # ---------------------------------------------------------------------- 5. 500s from input
 
 
-def _deep(depth: int) -> object:
-    value: object = "x"
-    for _ in range(depth):
-        value = [value]
-    return value
+def _deep(depth: int) -> str:
+    """A marker for JSON nested ``depth`` deep, spelled out in the body's text (no encoder recurses that deep)."""
+    return f"<deep {depth}>"
+
+
+def _raw(body: dict) -> bytes:
+    text = json.dumps(body)
+    for depth in (5000, 70):
+        text = text.replace(json.dumps(_deep(depth)), "[" * depth + '"x"' + "]" * depth)
+    return text.encode()
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -155,7 +160,9 @@ def _deep(depth: int) -> object:
 ])
 def test_bad_input_is_a_400_naming_the_field_and_stores_nothing(srv, body, param):
     before = _stored(srv)
-    res = _chat(srv, {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, **body})
+    raw = _raw({"model": MODEL, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, **body})
+    res = httpx.post(f"{srv.url}/chat/completions", content=raw, timeout=60,
+                     headers={**srv.auth(KEY_A), "Content-Type": "application/json"})
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param
     assert len(res.text) < 2000

@@ -37,7 +37,7 @@ class ShuttingDown(RuntimeError):
     retry_after = 5
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself (hashable by identity): the worker keeps the running ones in a set
 class Job:
     fn: Callable[[Job], object]
     deadline: float  # time.monotonic() after which the job must not start, and should stop
