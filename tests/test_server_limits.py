@@ -373,3 +373,73 @@ def test_fuzzed_bodies_get_2xx_or_4xx_store_nothing_on_4xx_and_never_change_othe
         assert res.json()["error"]["type"] in ("invalid_request_error", "rate_limit_error")
         if res.status_code != 429:
             assert _stored(srv, ignore_story=True) == before, (body, res.text)
+
+
+# ---------------------------------------------------------------------- in process: the store failing
+
+
+def _app(smollm2, store: SessionStore, **options):
+    from fastapi.testclient import TestClient
+
+    from snapkv_sessions.serve import Capacity, ServeOptions, Service, create_app
+
+    service = Service(smollm2, {"compression": {"budget": 256, "window": 16}, "drift": {"embedder": "none"}}, store,
+                      Capacity(batch=0, max_tokens=2))
+    # a fault of the server is answered as a real client sees it (500, bounded), not raised into the test
+    return TestClient(create_app(service, ServeOptions(**options)), raise_server_exceptions=False), service.model_id
+
+
+def test_a_request_commits_whole_or_not_at_all_when_the_store_fails_midway(smollm2, tmp_path):
+    from sqlalchemy import event
+
+    store = SessionStore(f"sqlite:///{tmp_path / 's.db'}")
+    client, model = _app(smollm2, store, max_messages=200)
+    with client:
+        first = client.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi."}]})
+        assert first.status_code == 200, first.text
+        sid, reply = first.json()["session_id"], first.json()["choices"][0]["message"]["content"]
+        held = [(m["seq"], m["hash"]) for m in store.messages(sid)]
+        many = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": reply},
+                *({"role": "user" if i % 2 == 0 else "assistant", "content": f"note {i}"} for i in range(197)),
+                {"role": "user", "content": "Which note came last?"}]
+        assert len(many) == 200  # at the cap: admitted
+        armed = {"inserted": False}
+
+        def fail_after_the_insert(_conn, _cursor, statement, *_args) -> None:
+            if statement.startswith("INSERT INTO messages"):
+                armed["inserted"] = True
+            elif armed["inserted"] and statement.startswith("UPDATE sessions"):
+                raise RuntimeError("the disk went away midway through the request's transaction")
+
+        event.listen(store.engine, "before_cursor_execute", fail_after_the_insert)
+        res = client.post("/v1/chat/completions", json={"model": model, "messages": many})
+        event.remove(store.engine, "before_cursor_execute", fail_after_the_insert)
+        assert res.status_code == 500 and "Traceback" not in res.text
+        assert [(m["seq"], m["hash"]) for m in store.messages(sid)] == held  # none of the 198 new messages
+        assert store.turns(sid, status="pending") == [] and store.verify(sid) == []
+        again = client.post("/v1/chat/completions", json={"model": model, "messages": many})
+        assert again.status_code == 200 and again.json()["session_id"] == sid, again.text
+        assert len(store.messages(sid)) == len(held) + 198 + 1 and store.verify(sid) == []
+        over = client.post("/v1/chat/completions", json={"model": model, "messages": [*many, *many[:1]]})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.service
+def test_a_store_without_a_free_connection_answers_503_and_stores_nothing(smollm2):
+    from conftest import pg_store
+
+    pg_store()
+    store = SessionStore(PG_URL, pool_size=1, pool_timeout_s=0.5)
+    client, model = _app(smollm2, store)
+    body = {"model": model, "messages": [{"role": "user", "content": f"Hello at {time.time()}."}]}
+    with client:
+        with store.engine.connect():  # the pool's one connection, held elsewhere
+            t0 = time.perf_counter()
+            res = client.post("/v1/chat/completions", json=body)
+            assert time.perf_counter() - t0 < 3
+        assert res.status_code == 503 and res.json()["error"]["code"] == "store_unavailable", res.text
+        assert int(res.headers["Retry-After"]) >= 1
+        assert not any(m["content"] == body["messages"][0]["content"] for r in store.list_sessions()
+                       for m in store.messages(r["id"])[:1])
+        ok = client.post("/v1/chat/completions", json=body)
+        assert ok.status_code == 200, ok.text
