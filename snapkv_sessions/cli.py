@@ -662,7 +662,7 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
         _serve_ray({"model": model, "db": db, "policy": policy, "redis_url": redis_url, "replicas": replicas,
                     "sessions_per_replica": max_live, "batch": batch, "max_tokens": max_tokens,
                     "api_keys": tuple(keys), "request_timeout_s": request_timeout,
-                    "max_body_bytes": int(max_body_mb * (1 << 20))}, host, port)
+                    "max_body_bytes": int(max_body_mb * (1 << 20)), "max_messages": max_messages}, host, port)
         return
     try:
         from .serve import Capacity, ServeOptions, Service, create_app

@@ -76,10 +76,11 @@ class RaySpec:
     request_timeout_s: float = 600.0
     torch_threads: int | None = None
     max_body_bytes: int = 8 << 20
+    max_messages: int = 1024  # messages one request may carry (as serve --max-messages)
     extra_actor_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        at_least(self, {"replicas": 1, "sessions_per_replica": 1, "batch": 0, "max_tokens": 1})
+        at_least(self, {"replicas": 1, "sessions_per_replica": 1, "batch": 0, "max_tokens": 1, "max_messages": 1})
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
 
     @classmethod
@@ -156,7 +157,7 @@ def _engine_deployment(spec: RaySpec):
         async def _prepare(self, call: dict):
             session_id = serve.get_multiplexed_model_id()
             await self.session(session_id)
-            req = protocol.parse(call["body"])
+            req = protocol.parse(call["body"], self.spec.max_messages)
             turn = self.service.prepare(req, call["owner"], session_id)
             turn.create, turn.retried = bool(call["create"]), bool(call["retried"])
             return req, turn, Job(lambda _job: None, time.monotonic() + self.spec.request_timeout_s)
@@ -270,7 +271,7 @@ def _ingress_deployment(spec: RaySpec):
             try:
                 owner = authorize(request, self.keys)
                 body = await read_body(request, self.spec.max_body_bytes)
-                req = protocol.parse(body)
+                req = protocol.parse(body, self.spec.max_messages)
                 turn = self.router.prepare(req, owner, request.headers.get(SESSION_HEADER))
                 session_id, create = await asyncio.to_thread(self._route, turn)
                 call = {"body": body, "owner": owner, "create": create}
