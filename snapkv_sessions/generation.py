@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .store.schema import MAX_SEED
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,9 @@ class GenerationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kinds):
                 raise ConfigError(name, value, f"must be a number ({' or '.join(k.__name__ for k in kinds)})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError("seed", self.seed, "must be an int or None")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ConfigError("seed", self.seed, f"must be an int in 0..{MAX_SEED} or None")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         if not all(isinstance(s, str) for s in self.stop):
@@ -77,7 +79,7 @@ class GenerationConfig:
             raise ConfigError(unknown[0], kwargs[unknown[0]], "is not a generation parameter")
         temperature = kwargs.get("temperature", 0)
         if isinstance(temperature, (int, float)) and temperature > 0 and kwargs.get("seed") is None:
-            kwargs["seed"] = random.randrange(2**31)
+            kwargs["seed"] = random.randrange(MAX_SEED + 1)
         return cls(**kwargs)
 
     @classmethod

@@ -96,7 +96,9 @@ def test_bad_messages_are_refused_before_anything_is_stored(smollm2, build, para
 
 @pytest.mark.parametrize(("kwargs", "param"), [({"max_new_tokens": "5"}, "max_new_tokens"),
                                                ({"temperature": None}, "temperature"),
-                                               ({"seed": 1.5}, "seed"), ({"stop": [3]}, "stop")])
+                                               ({"seed": 1.5}, "seed"), ({"stop": [3]}, "stop"),
+                                               # past the turns table's INTEGER column, and below torch's range
+                                               ({"seed": 2**31, "temperature": 0.5}, "seed"), ({"seed": -1}, "seed")])
 def test_bad_generation_parameters_are_clear_errors(smollm2, kwargs, param):
     store = SessionStore("sqlite://")
     session = Session.create(smollm2, policy=POLICY, store=store)

@@ -156,6 +156,7 @@ def _raw(body: dict) -> bytes:
     ({"metadata": {"a": _deep(70)}}, "body"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _deep(5000)}}]}, "body"),
     ({"seed": 2**63}, "seed"),
+    ({"seed": 2**31}, "seed"),  # past the turns table's INTEGER column on PostgreSQL
     ({"seed": -1}, "seed"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"stop": ["x" * 300]}, "stop"),

@@ -16,13 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..chat import Message
 from ..errors import ConfigError
+from ..store.schema import MAX_SEED
 
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # one stop string
 MAX_TOOLS = 128  # as OpenAI
 MAX_METADATA = 16  # pairs, as OpenAI (keys up to 64 characters, values up to 512)
 MAX_JSON_DEPTH = 64  # arrays and objects nested in a body (or in a tool call's arguments): deeper is refused
-SEED_RANGE = (0, 2**63 - 1)  # what a sampler's generator and a BIGINT column both take
+SEED_RANGE = (0, MAX_SEED)  # what the turns table's seed column holds on every backend
 # Accepted and ignored: they change nothing for one local model (values checked in `_check_extras`).
 HARMLESS = {"user", "store", "parallel_tool_calls", "logprobs", "presence_penalty", "frequency_penalty",
             "service_tier", "prompt_cache_key", "safety_identifier"}

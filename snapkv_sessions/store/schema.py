@@ -21,6 +21,8 @@ from sqlalchemy import (
 
 metadata = MetaData()
 
+MAX_SEED = 2**31 - 1  # turns.seed is an INTEGER column: 32 bits on PostgreSQL; larger seeds are refused up front
+
 sessions = Table(
     "sessions",
     metadata,
@@ -88,7 +90,7 @@ turns = Table(
     Column("policy_sha256", String(64), nullable=False),
     Column("model_id", String(512), nullable=False),
     Column("generation", JSON),
-    Column("seed", Integer),
+    Column("seed", Integer),  # at most MAX_SEED
     Column("stop_reason", String(16)),
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("finished_at", DateTime(timezone=True)),
