@@ -98,6 +98,15 @@ class CompactCache(Cache):
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)
 
+    def clone(self) -> CompactCache:
+        """An independent copy of the slots held (no spare capacity): a fork of a session starts from it."""
+        out = CompactCache(len(self.layers))
+        for mine, theirs in zip(out.layers, self.layers, strict=True):
+            if theirs.is_initialized:
+                mine.lazy_initialization(theirs.keys, theirs.values)
+                mine.replace(theirs.keys.clone(), theirs.values.clone())  # (B, Hkv, length, D) each
+        return out
+
     def replace_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Every layer holds exactly its slice of ``keys``/``values`` (L, B, Hkv, K, D): one storage for all."""
         for layer, lay in enumerate(self.layers):

@@ -123,6 +123,12 @@ class WorkingSet:
         self.terms.clear()
         self.index.reset()
 
+    def copy(self) -> WorkingSet:
+        out = WorkingSet(self.dim, list(self.queries), list(self.terms))
+        if self.index.ntotal:
+            out.index.add(self.index.reconstruct_n(0, self.index.ntotal))  # (n, dim)
+        return out
+
     def drift(self, vector: np.ndarray) -> float | None:
         """1 - max cosine similarity to the working set; None when it is empty."""
         if self.index.ntotal == 0:
@@ -325,6 +331,13 @@ class DriftMonitor:
         self._queued.clear()
         if self._working is not None:
             self._working.reset()
+
+    def copy_from(self, other: DriftMonitor) -> None:
+        """Hold ``other``'s working set (a fork starting from a copy of its source's cache); the embedder is
+        shared (it holds no per-session state)."""
+        self._queued = list(other._queued)
+        self._embedder = other._embedder
+        self._working = None if other._working is None else other._working.copy()
 
     def observe(self, query: str, context: str | None = None) -> None:
         """``query``'s window shaped the cache: its question (:func:`question_text`, not a document pasted before

@@ -13,6 +13,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
 from .admission import Admission, AdmissionError
@@ -24,6 +25,7 @@ from .models import runner_for
 from .policy import Policy
 from .press import layer_budgets
 from .runner import ModelRunner, TurnRun
+from .state import KVState
 from .store import NewMessage, SessionStore, StoreError
 from .tierpool import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
@@ -47,6 +49,21 @@ class SessionOptions(TypedDict, total=False):
     thread_id: str | None
     owner: str | None
     session_id: str | None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A session's model-side state at a turn boundary, held in memory (:meth:`Session.snapshot`): the cache (hot
+    copied, cold shared), the transcript and the drift working set, and the store rows they stand for (messages up
+    to ``up_to_seq``, turns up to ``up_to_turn``). Forks start from it (:meth:`Session.fork_from`)."""
+
+    source_id: str
+    up_to_seq: int
+    up_to_turn: int
+    turns_applied: int
+    state: KVState
+    transcript: Transcript
+    drift: DriftMonitor
 
 
 class Session:
@@ -126,6 +143,45 @@ class Session:
         return Session.create_on(self.runner, self.model_id, self.policy, self.store,
                                {"history": history, "title": title or f"fork of {self.id} at turn {turn}",
                                 "owner": row.get("owner")})
+
+    def snapshot(self) -> Snapshot | None:
+        """This session's state at the turn boundary it holds, for forks to start from without a prefill; None
+        when the cache does not hold the store's last turn exactly (a turn pending or not yet applied here, a tier
+        evicted or spilled, a cache kind that does not clone)."""
+        turns = self.store.turns(self.id)
+        done = [t["turn"] for t in turns if t["status"] == "done"]
+        cold = self.state.cold
+        if (any(t["status"] == "pending" for t in turns) or not done or max(done) != self.turns_applied
+                or not hasattr(self.state.cache, "clone")
+                or (cold is not None and (cold.lost is not None or cold.spilled is not None))):
+            return None
+        transcript = Transcript(self.tokenizer, self.policy.pins)
+        transcript.copy_from(self.transcript)
+        drift = DriftMonitor(self.policy.drift.embedder, self.runner.model, self.tokenizer,
+                             subjects=self.policy.drift.new_subject, follow_ups=bool(self.policy.drift.follow_ups))
+        drift.copy_from(self.drift)
+        seqs = [m["seq"] for m in self.store.messages(self.id)]
+        return Snapshot(self.id, max(seqs), max(t["turn"] for t in turns), self.turns_applied, self.state.clone(),
+                        transcript, drift)
+
+    def fork_from(self, snapshot: Snapshot, *, title: str | None = None) -> Session:
+        """A new session holding this one's rows up to ``snapshot``'s boundary (messages and turn records, copied in
+        one transaction: :meth:`SessionStore.fork_session`) and starting from a copy of the snapshot's cache, so
+        its next turn prefills only what is new. Replaying the fork runs the same turn records, so a reopened fork
+        holds exactly this cache (``tests/test_session.py``). The same owner; this session is not changed."""
+        if snapshot.source_id != self.id:
+            raise ConfigError("snapshot", snapshot.source_id, f"is not a snapshot of session {self.id}")
+        owner = self.store.get_session(self.id).get("owner")
+        sid = self.store.fork_session(self.id, snapshot.up_to_seq, snapshot.up_to_turn, owner=owner,
+                                      title=title or f"fork of {self.id} at turn {snapshot.turns_applied}")
+        fork = Session(sid, self.store, self.runner, self.policy, self.model_id)
+        if fork.state.cold is not None:
+            POOL.release(fork.state.cold)  # the empty tier of a new session, replaced by the snapshot's
+        fork.state = snapshot.state.clone()
+        fork.transcript.copy_from(snapshot.transcript)
+        fork.drift.copy_from(snapshot.drift)
+        fork.turns_applied = snapshot.turns_applied
+        return fork
 
     @classmethod
     def open(cls, session_id: str, model=None, store: SessionStore | str | None = None,

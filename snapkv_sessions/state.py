@@ -66,6 +66,14 @@ class KVState:
         """True positions held by one layer and KV head."""
         return self.positions[layer][batch, head].tolist()
 
+    def clone(self) -> KVState:
+        """An independent copy (a fork's): the hot cache copied, the cold tier's layers shared (:meth:`ColdKV.clone`).
+        Only the compact cache clones."""
+        return KVState(cache=self.cache.clone(), positions=[p.clone() for p in self.positions],
+                       token_ids=list(self.token_ids), pinned=self.pinned.clone(), pending=list(self.pending),
+                       pending_pinned=list(self.pending_pinned), reports=list(self.reports),
+                       last_stop_reason=self.last_stop_reason, cold=None if self.cold is None else self.cold.clone())
+
     def requeue(self, start: int) -> None:
         """Send the tokens at true positions ``start`` and after back to ``pending``, ahead of what is pending
         there, with their pin flags. The caller has already taken their slots out of the cache."""

@@ -92,6 +92,13 @@ class ColdKV:
     def nbytes(self) -> int:
         return sum(lay.nbytes for lay in self.layers if lay is not None)
 
+    def clone(self) -> ColdKV:
+        """A tier of its own for a fork, holding the same evicted slots. The layers are shared, not copied: a
+        tier replaces a layer whole (a compression's eviction, a fold, a spill) and never writes one in place."""
+        if self.lost is not None or self.spilled is not None:
+            raise RuntimeError("a tier that no longer holds its session cannot be cloned")
+        return ColdKV(layers=list(self.layers), decode_start=self.decode_start, refeed_reply=self.refeed_reply)
+
     def drop(self, reason: str) -> None:
         """Forget the evicted slots; the session's next turn re-prefills and records ``reason``."""
         self.layers = [None] * len(self.layers)

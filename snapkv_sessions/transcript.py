@@ -184,6 +184,10 @@ class Transcript:
         self.char_pos = np.zeros(0, dtype=np.int64)
         self.runs: list[Run] = []
 
+    def copy_from(self, other: Transcript) -> None:
+        """Hold what ``other`` holds (a fork starting from a copy of its source's cache)."""
+        self.text, self.char_pos, self.runs = other.text, other.char_pos.copy(), list(other.runs)
+
     @property
     def length(self) -> int:
         """True positions the transcript covers (the cache's, plus its pending token)."""

@@ -258,3 +258,35 @@ def test_a_fork_continues_as_the_original_did(smollm2, tmp_path):
     assert [t["turn"] for t in store.turns(session.id)] == [1, 2] and fork.verify() == []
     with pytest.raises(ConfigError, match=r"^turn=5: must be a done turn"):
         session.fork(5)
+
+
+def test_a_fork_from_a_snapshot_continues_exactly_as_its_source(smollm2, tmp_path):
+    """A snapshot at a turn boundary (cache hot and cold, transcript, drift working set), taken before the source
+    moves on: every fork from it (store rows copied, cache cloned, no prefill of the history) answers the next
+    question exactly as the source did, and a fork reopened from the store (its copied turn records replayed)
+    holds exactly the cache the live fork holds."""
+    from snapkv_sessions import audit
+
+    store = SessionStore(f"sqlite:///{tmp_path / 'sessions.db'}")
+    session = new_session(smollm2, store)
+    session.chat(QUESTIONS[0], max_new_tokens=8)
+    snap = session.snapshot()
+    assert snap is not None and snap.turns_applied == 1 and snap.state.cold is not None
+    assert any(lay is not None for lay in snap.state.cold.layers)  # compression evicted: the tier holds part
+    forks = [session.fork_from(snap), session.fork_from(snap)]
+    original = session.chat(QUESTIONS[1], max_new_tokens=8)  # the source moves on after the snapshot
+    for fork in forks:
+        reply = fork.chat(QUESTIONS[1], max_new_tokens=8)
+        assert reply.token_ids == original.token_ids and reply.kept_per_role == original.kept_per_role
+        assert reply.prompt_tokens == original.prompt_tokens  # the new question and reply only, no history
+        assert fork.state.token_ids == session.state.token_ids
+        assert all(a.equal(b) for a, b in zip(fork.state.positions, session.state.positions, strict=True))
+        assert [t["turn"] for t in store.turns(fork.id)] == [1, 2] and fork.verify() == []
+    reopened = Session.open(forks[0].id, model=smollm2, store=store)
+    assert reopened.state.token_ids == forks[0].state.token_ids
+    assert all(a.equal(b) for a, b in zip(reopened.state.positions, forks[0].state.positions, strict=True))
+    assert audit.verify(store, forks[0].id, model=smollm2).ok
+    assert [t["turn"] for t in store.turns(session.id)] == [1, 2]  # the source is not changed by its forks
+    stale = Session.open(session.id, model=smollm2, store=store)
+    session.chat(QUESTIONS[2], max_new_tokens=4)
+    assert stale.snapshot() is None  # its cache lags the store: no boundary to fork from

@@ -505,6 +505,45 @@ class SessionStore:
         with self._connect() as conn:
             return [dict(r) for r in conn.execute(q).mappings()]
 
+    def fork_session(self, source_id: str, up_to_seq: int, up_to_turn: int, *, owner: str | None = None,
+                     title: str | None = None) -> str:
+        """A new session holding ``source_id``'s rows as they were: its messages up to ``up_to_seq`` and its turn
+        records (and their events) up to turn ``up_to_turn``, in one transaction; returns the new id.
+
+        The messages keep their seqs and content, so their hash chain is the same; the turn records are the same
+        plans, so replaying the fork rebuilds exactly the source's cache at that boundary (a live fork may start
+        from a copy of that cache instead: ``Session.snapshot``). Every row is sealed anew under the new id.
+        """
+        s, m, t, e = schema.sessions, schema.messages, schema.turns, schema.events
+        source = self.get_session(source_id)
+        new_id, now = str(uuid.uuid4()), _now()
+        with self._begin() as conn:
+            msgs = [dict(r) for r in conn.execute(select(m).where(m.c.session_id == source_id, m.c.seq <= up_to_seq)
+                                                  .order_by(m.c.seq)).mappings()]
+            turns = [dict(r) for r in conn.execute(select(t).where(t.c.session_id == source_id,
+                                                                   t.c.turn <= up_to_turn)).mappings()]
+            if len(msgs) != up_to_seq or any(row["status"] == "pending" for row in turns) or any(
+                    (row["assistant_seq"] or 0) > up_to_seq or row["user_seq"] > up_to_seq for row in turns):
+                raise StoreError(f"session_id={source_id!r}: messages 1..{up_to_seq} and turns 1..{up_to_turn} are "
+                                 "not a turn boundary of it")
+            events = [dict(r) for r in conn.execute(select(e).where(e.c.session_id == source_id,
+                                                                    e.c.turn <= up_to_turn)).mappings()]
+            done = max((row["turn"] for row in turns if row["status"] == "done"), default=0)
+            meta = {**(source["meta"] or {}), "forked_from": {"id": source_id, "turn": up_to_turn}}
+            conn.execute(insert(s).values(
+                id=new_id, created_at=now, updated_at=now, model_id=source["model_id"],
+                policy_json=source["policy_json"], policy_sha256=source["policy_sha256"], title=title,
+                turns_done=done, head_hash=msgs[-1]["hash"] if msgs else GENESIS, meta=meta, thread_id=None,
+                message_count=up_to_seq, owner=owner))
+            for table, rows in ((m, msgs), (t, turns), (e, events)):
+                if rows:
+                    conn.execute(insert(table), [{**{k: v for k, v in row.items() if k not in ("id", "seal")},
+                                                  "session_id": new_id} for row in rows])
+            for table in (m, t):
+                self._reseal(conn, table, table.c.session_id == new_id)
+            self._reseal(conn, s, s.c.id == new_id)
+        return new_id
+
     def delete_session(self, session_id: str) -> None:
         self.get_session(session_id)
         with self._begin() as conn:
