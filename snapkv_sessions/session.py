@@ -58,6 +58,7 @@ class Snapshot:
     to ``up_to_seq``, turns up to ``up_to_turn``). Forks start from it (:meth:`Session.fork_from`)."""
 
     source_id: str
+    owner: str | None
     up_to_seq: int
     up_to_turn: int
     turns_applied: int
@@ -148,33 +149,39 @@ class Session:
         """This session's state at the turn boundary it holds, for forks to start from without a prefill; None
         when the cache does not hold the store's last turn exactly (a turn pending or not yet applied here, a tier
         evicted or spilled, a cache kind that does not clone)."""
-        turns = self.store.turns(self.id)
-        done = [t["turn"] for t in turns if t["status"] == "done"]
+        row = self.store.get_session(self.id)  # one row and two filtered reads: cheap enough for every turn
         cold = self.state.cold
-        if (any(t["status"] == "pending" for t in turns) or not done or max(done) != self.turns_applied
-                or not hasattr(self.state.cache, "clone")
-                or (cold is not None and (cold.lost is not None or cold.spilled is not None))):
+        if (row["turns_done"] != self.turns_applied or not self.turns_applied or not hasattr(self.state.cache, "clone")
+                or (cold is not None and (cold.lost is not None or cold.spilled is not None))
+                or self.store.pending_turn(self.id) is not None):
             return None
+        abandoned = [t["turn"] for t in self.store.turns(self.id, status="abandoned")]
         transcript = Transcript(self.tokenizer, self.policy.pins)
         transcript.copy_from(self.transcript)
         drift = DriftMonitor(self.policy.drift.embedder, self.runner.model, self.tokenizer,
                              subjects=self.policy.drift.new_subject, follow_ups=bool(self.policy.drift.follow_ups))
         drift.copy_from(self.drift)
-        seqs = [m["seq"] for m in self.store.messages(self.id)]
-        return Snapshot(self.id, max(seqs), max(t["turn"] for t in turns), self.turns_applied, self.state.clone(),
-                        transcript, drift)
+        return Snapshot(self.id, row.get("owner"), row["message_count"], max([self.turns_applied, *abandoned]),
+                        self.turns_applied, self.state.clone(), transcript, drift)
 
     def fork_from(self, snapshot: Snapshot, *, title: str | None = None) -> Session:
-        """A new session holding this one's rows up to ``snapshot``'s boundary (messages and turn records, copied in
-        one transaction: :meth:`SessionStore.fork_session`) and starting from a copy of the snapshot's cache, so
-        its next turn prefills only what is new. Replaying the fork runs the same turn records, so a reopened fork
-        holds exactly this cache (``tests/test_session.py``). The same owner; this session is not changed."""
+        """A new session holding this one's rows up to ``snapshot``'s boundary and starting from a copy of its
+        cache (:meth:`from_snapshot`); this session is not changed."""
         if snapshot.source_id != self.id:
             raise ConfigError("snapshot", snapshot.source_id, f"is not a snapshot of session {self.id}")
-        owner = self.store.get_session(self.id).get("owner")
-        sid = self.store.fork_session(self.id, snapshot.up_to_seq, snapshot.up_to_turn, owner=owner,
-                                      title=title or f"fork of {self.id} at turn {snapshot.turns_applied}")
-        fork = Session(sid, self.store, self.runner, self.policy, self.model_id)
+        return Session.from_snapshot(snapshot, self.runner, self.model_id, self.policy, self.store, title=title)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: Snapshot, runner: ModelRunner, model_id: str, policy: Policy,
+                      store: SessionStore, *, session_id: str | None = None, title: str | None = None) -> Session:
+        """A fork at ``snapshot``'s boundary: the source's rows up to it (messages and turn records, copied in one
+        transaction: :meth:`SessionStore.fork_session`) and a copy of the snapshot's cache, so its next turn
+        prefills only what is new. Replaying the fork runs the same turn records, so a reopened fork holds exactly
+        this cache (``tests/test_session.py``). The source's owner; ``session_id``: the id to give it."""
+        sid = store.fork_session(snapshot.source_id, snapshot.up_to_seq, snapshot.up_to_turn, owner=snapshot.owner,
+                                 session_id=session_id,
+                                 title=title or f"fork of {snapshot.source_id} at turn {snapshot.turns_applied}")
+        fork = cls(sid, store, runner, policy, model_id)
         if fork.state.cold is not None:
             POOL.release(fork.state.cold)  # the empty tier of a new session, replaced by the snapshot's
         fork.state = snapshot.state.clone()

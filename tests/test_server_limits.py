@@ -444,3 +444,35 @@ def test_a_store_without_a_free_connection_answers_503_and_stores_nothing(smollm
                        for m in store.messages(r["id"])[:1])
         ok = client.post("/v1/chat/completions", json=body)
         assert ok.status_code == 200, ok.text
+
+
+# ---------------------------------------------------------------------- 8. the same conversation sent at once
+
+
+def test_identical_requests_at_once_fork_from_the_boundary_instead_of_a_prefill(srv):
+    """Eight identical requests at once on one conversation: one continues the session; the others that waited
+    for it fork from a copy of its cache at that turn boundary (their first turn prefills the question alone, not
+    the history). Every reply is the same (greedy), every session verifies, and each fork replays exactly."""
+    base = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Rivers: " + ", ".join(f"R{i} is {100 + 7 * i} km" for i in range(60))}]
+    first = _chat(srv, {"messages": base, "max_tokens": 6})
+    assert first.status_code == 200
+    source = first.json()["session_id"]
+    msgs = [*base, {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "How long is R7?"}]
+    out = run_in_threads(lambda _i: _chat(srv, {"messages": msgs, "max_tokens": 6}).json(), range(8), 300)
+    texts = {o["choices"][0]["message"]["content"] for o in out.values()}
+    assert len(texts) == 1, texts
+    store = SessionStore(f"sqlite:///{srv.db}")
+    sids = [o["session_id"] for o in out.values()]
+    assert sids.count(source) == 1
+    history = len(store.turns(source)[0]["prefill_tokens"])
+    prompts = {sid: out_row["usage"]["prompt_tokens"] for sid, out_row in zip(sids, out.values(), strict=True)}
+    from_boundary = [sid for sid in sids if sid != source and store.get_session(sid)["meta"].get("forked_from")]
+    assert from_boundary, prompts  # the waiters forked from the boundary
+    for sid in from_boundary:
+        assert prompts[sid] == prompts[source] < history / 4  # the question alone, as the continuing turn
+        assert [t["turn"] for t in store.turns(sid)] == [1, 2]
+        assert srv.post(f"/sessions/{sid}/verify").json()["ok"] is True
+    print(f"forks: {len(from_boundary)} of 7 from the boundary, prompt {prompts[source]} tokens against "
+          f"{history} for a prefill of the history")

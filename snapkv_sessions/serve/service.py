@@ -17,9 +17,12 @@ them (a digest of it is stored); another key's sessions do not exist for a calle
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import re
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,7 +37,7 @@ from ..generation import GenerationConfig
 from ..integrations.openai import tool_names
 from ..models import runner_for
 from ..policy import Policy
-from ..session import Reply, Session
+from ..session import Reply, Session, Snapshot
 from ..store import SessionStore, StoreError, StoreUnavailable
 from ..store.hashing import GENESIS, message_hash
 from ..tierpool import POOL
@@ -44,6 +47,8 @@ from .worker import Job
 BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
 SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+BOUNDARY_TTL_S = 10.0  # how long a kept turn boundary serves forks of the same conversation
+BOUNDARIES_KEPT = 8  # boundaries kept at once (each holds a copy of a hot cache; cold layers are shared)
 
 
 def _utc(moment: datetime) -> datetime:
@@ -123,6 +128,21 @@ class TurnRequest:
     create: bool = False  # the named session may not exist yet: then create it under that id (a router chose it)
     retried: bool = False  # a retry of a request that may have run: answered from the store if it did
 
+    @functools.cached_property
+    def heads(self) -> dict[str, int]:
+        """The store's content hash (:func:`message_hash` chain) of each prefix of the earlier messages -> its
+        length: how a session holding that prefix is found."""
+        heads, prev = {}, GENESIS
+        for seq, msg in enumerate(self.wanted[:-1], 1):
+            prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
+            heads[prev] = seq
+        return heads
+
+    @property
+    def prefix_head(self) -> str:
+        """The content hash of all the earlier messages (GENESIS when there are none)."""
+        return next(reversed(self.heads), GENESIS)
+
 
 @dataclass
 class TurnOutput:
@@ -168,10 +188,7 @@ class Router:
 
     def _continued(self, turn: TurnRequest) -> tuple[str, list[Message]] | None:
         """The caller's session holding the longest proper prefix of the request, by content hash, then by view."""
-        heads, prev = {}, GENESIS
-        for seq, msg in enumerate(turn.wanted[:-1], 1):
-            prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
-            heads[prev] = seq
+        heads = turn.heads
         hits = self.store.sessions_at_head(turn.owner, list(heads), model_id=self.model_id,
                                            policy_sha256=self.policy.sha256)
         for hit in sorted(hits, key=lambda h: -heads[h["head_hash"]]):
@@ -229,6 +246,7 @@ class Service(Router):
         self.live: OrderedDict[str, Session] = OrderedDict()
         self._guard = threading.Lock()  # the live LRU and the claims
         self._claims: dict[str, _Claim] = {}
+        self._boundaries: OrderedDict[str, tuple[float, Snapshot]] = OrderedDict()  # prefix head -> (kept at, it)
         if capacity.packed_weights:
             from ..packed import pack_linears
 
@@ -339,12 +357,58 @@ class Service(Router):
                 # a concurrent turn may have moved the session past this request: then it continues nothing
                 new = unseen((self.store, found[0]), turn.wanted, turn.tools)
                 if new is not None:
-                    yield self._live(found[0]), new, False
+                    session = self._live(found[0])
+                    if len(new) == 1:
+                        self._keep_boundary(session, turn)
+                    yield session, new, False
                     return
+        fork_id = str(uuid.uuid4())
+        with self._hold(fork_id):  # held before anyone could find it by its content
+            fork = self._fork_at_boundary(turn, fork_id)
+            if fork is not None:
+                self._remember(fork)
+                yield fork, turn.wanted[-1:], True
+                return
         session = self._create(turn)
         with self._hold(session.id):
             self._remember(session)
             yield session, turn.wanted[-1:], True
+
+    def _keep_boundary(self, session: Session, turn: TurnRequest) -> None:
+        """Keep ``session``'s state at this turn boundary, before this turn moves it: a request with the same
+        conversation that comes while this turn runs, or shortly after (sent twice at once, an agent's parallel
+        calls, a retry), forks from a copy of it instead of a prefill of the whole history
+        (:meth:`_fork_at_boundary`). The requests behind cannot be counted in time (they are still being read
+        when this turn starts), so every turn continued by its content keeps one: a copy of its hot cache (its
+        cold layers are shared), for :data:`BOUNDARY_TTL_S`, at most :data:`BOUNDARIES_KEPT` at once."""
+        snap = session.snapshot()
+        if snap is None:
+            return
+        with self._guard:
+            self._boundaries[turn.prefix_head] = (time.monotonic(), snap)
+            self._boundaries.move_to_end(turn.prefix_head)
+            while len(self._boundaries) > BOUNDARIES_KEPT:
+                self._boundaries.popitem(last=False)
+
+    def _fork_at_boundary(self, turn: TurnRequest, fork_id: str) -> Session | None:
+        """A fork, under ``fork_id``, from a boundary kept for this conversation (:meth:`_keep_boundary`) when the
+        request continues it there with its last message; None otherwise (a session is then created from the
+        request's history, as before)."""
+        now = time.monotonic()
+        with self._guard:
+            for head in [h for h, (at, _) in self._boundaries.items() if now - at > BOUNDARY_TTL_S]:
+                del self._boundaries[head]
+            kept = self._boundaries.get(turn.prefix_head)
+        if kept is None or kept[1].owner != turn.owner or kept[1].up_to_seq != len(turn.wanted) - 1:
+            return None
+        fork = Session.from_snapshot(kept[1], self.runner, self.model_id, self.policy, self.store,
+                                     session_id=fork_id, title="served (fork)")
+        try:
+            fork.admit(turn.wanted[-1:], turn.generation["max_new_tokens"])
+        except BaseException:
+            self.store.delete_session(fork.id)  # refused as a new session would be: nothing of it stays
+            raise
+        return fork
 
     def _create(self, turn: TurnRequest, session_id: str | None = None) -> Session:
         """A new session for ``turn`` (under ``session_id`` when a router chose it): the request's earlier

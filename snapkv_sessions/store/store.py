@@ -506,7 +506,7 @@ class SessionStore:
             return [dict(r) for r in conn.execute(q).mappings()]
 
     def fork_session(self, source_id: str, up_to_seq: int, up_to_turn: int, *, owner: str | None = None,
-                     title: str | None = None) -> str:
+                     title: str | None = None, session_id: str | None = None) -> str:
         """A new session holding ``source_id``'s rows as they were: its messages up to ``up_to_seq`` and its turn
         records (and their events) up to turn ``up_to_turn``, in one transaction; returns the new id.
 
@@ -515,8 +515,10 @@ class SessionStore:
         from a copy of that cache instead: ``Session.snapshot``). Every row is sealed anew under the new id.
         """
         s, m, t, e = schema.sessions, schema.messages, schema.turns, schema.events
+        if session_id is not None and not is_session_id(session_id):
+            raise ConfigError("session_id", str(session_id)[:80], "must be a UUID in canonical form")
         source = self.get_session(source_id)
-        new_id, now = str(uuid.uuid4()), _now()
+        new_id, now = session_id or str(uuid.uuid4()), _now()
         with self._begin() as conn:
             msgs = [dict(r) for r in conn.execute(select(m).where(m.c.session_id == source_id, m.c.seq <= up_to_seq)
                                                   .order_by(m.c.seq)).mappings()]
