@@ -290,3 +290,27 @@ def test_a_fork_from_a_snapshot_continues_exactly_as_its_source(smollm2, tmp_pat
     stale = Session.open(session.id, model=smollm2, store=store)
     session.chat(QUESTIONS[2], max_new_tokens=4)
     assert stale.snapshot() is None  # its cache lags the store: no boundary to fork from
+
+
+def test_a_stop_request_interrupts_a_long_prefill_between_chunks(smollm2, tmp_path):
+    """A server's deadline (or a client gone) stops a turn mid-prefill: the runner checks between chunks, the turn
+    is abandoned cleanly with nothing of it in the cache, and the session's next turn is the turn it would have
+    been."""
+    from snapkv_sessions import interrupts
+
+    store = SessionStore(f"sqlite:///{tmp_path / 'sessions.db'}")
+    session = new_session(smollm2, store)
+    session.runner.prefill_chunk, chunk = 16, session.runner.prefill_chunk
+    checks = []
+    try:
+        with interrupts.stop_when(lambda: checks.append(1) or len(checks) > 2):
+            with pytest.raises(interrupts.Interrupted):
+                session.chat(QUESTIONS[0], max_new_tokens=4)
+    finally:
+        session.runner.prefill_chunk = chunk
+    assert len(checks) == 3  # stopped at the third chunk boundary, not after the whole prefill
+    assert [t["status"] for t in store.turns(session.id)] == ["abandoned"] and store.verify(session.id) == []
+    reply = session.chat(QUESTIONS[0], max_new_tokens=4)
+    fresh = new_session(smollm2, SessionStore(f"sqlite:///{tmp_path / 'fresh.db'}")).chat(QUESTIONS[0],
+                                                                                           max_new_tokens=4)
+    assert reply.token_ids == fresh.token_ids
