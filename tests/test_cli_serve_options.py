@@ -97,7 +97,7 @@ def test_new_options_reach_serve_options(monkeypatch):
     fields = getattr(serve_pkg.ServeOptions, "__dataclass_fields__", {})
     if not {"max_messages", "docs", "shutdown_grace_s"} <= set(fields):
         pytest.skip("ServeOptions has no max_messages/docs/shutdown_grace_s yet")
-    import uvicorn
+    from snapkv_sessions.serve import app as app_module
 
     seen: dict = {}
 
@@ -111,11 +111,12 @@ def test_new_options_reach_serve_options(monkeypatch):
     monkeypatch.setattr(serve_pkg, "Service", FakeService)
     monkeypatch.setattr(store_pkg, "SessionStore", lambda *a, **k: None)
     monkeypatch.setattr(serve_pkg, "create_app", lambda service, options: seen.update(options=options))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(run=kw))
+    monkeypatch.setattr(app_module, "run_server", lambda app, host, port, grace: seen.update(run=(host, port, grace)))
     res = CliRunner().invoke(main, ["serve", "--model", "m", "--max-messages", "7", "--docs", "--shutdown-grace", "2.5"])
     assert res.exit_code == 0, (res.output, res.exception)
     opts = seen["options"]
     assert (opts.max_messages, opts.docs, opts.shutdown_grace_s) == (7, True, 2.5)
+    assert seen["run"] == ("127.0.0.1", 8000, 2.5)  # the drain's grace reaches the server too
     res = CliRunner().invoke(main, ["serve", "--model", "m"])
     opts = seen["options"]
     assert res.exit_code == 0 and (opts.max_messages, opts.docs, opts.shutdown_grace_s) == (1024, False, 10.0)
