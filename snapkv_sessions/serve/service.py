@@ -47,7 +47,7 @@ from .worker import Job
 BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
 SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-BOUNDARY_TTL_S = 10.0  # how long a kept turn boundary serves forks of the same conversation
+BOUNDARY_TTL_S = 30.0  # a kept turn boundary serves forks of the same conversation until unused this long
 BOUNDARIES_KEPT = 8  # boundaries kept at once (each holds a copy of a hot cache; cold layers are shared)
 
 
@@ -380,7 +380,7 @@ class Service(Router):
         calls, a retry), forks from a copy of it instead of a prefill of the whole history
         (:meth:`_fork_at_boundary`). The requests behind cannot be counted in time (they are still being read
         when this turn starts), so every turn continued by its content keeps one: a copy of its hot cache (its
-        cold layers are shared), for :data:`BOUNDARY_TTL_S`, at most :data:`BOUNDARIES_KEPT` at once."""
+        cold layers are shared), until unused for :data:`BOUNDARY_TTL_S`, at most :data:`BOUNDARIES_KEPT` at once."""
         snap = session.snapshot()
         if snap is None:
             return
@@ -399,8 +399,9 @@ class Service(Router):
             for head in [h for h, (at, _) in self._boundaries.items() if now - at > BOUNDARY_TTL_S]:
                 del self._boundaries[head]
             kept = self._boundaries.get(turn.prefix_head)
-        if kept is None or kept[1].owner != turn.owner or kept[1].up_to_seq != len(turn.wanted) - 1:
-            return None
+            if kept is None or kept[1].owner != turn.owner or kept[1].up_to_seq != len(turn.wanted) - 1:
+                return None
+            self._boundaries[turn.prefix_head] = (now, kept[1])  # in use: kept longer
         fork = Session.from_snapshot(kept[1], self.runner, self.model_id, self.policy, self.store,
                                      session_id=fork_id, title="served (fork)")
         try:
