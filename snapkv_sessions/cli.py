@@ -294,6 +294,25 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
     _emit(result, out, as_json, shift.table, bulky="turns")
 
 
+@bench.command("forks")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--requests", default=20, show_default=True, help="Identical requests sent at once.")
+@click.option("--batch", default=8, show_default=True, help="The servers' decode slots.")
+@click.option("--document-tokens", default=1024, show_default=True, help="The conversation's document, in tokens.")
+@click.option("--boundaries", type=click.Choice(["off", "on", "both"]), default="both", show_default=True,
+              help="Servers with kept turn boundaries (the default), without (serve --no-fork-boundaries), or both.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_json) -> None:
+    """The same conversation sent N times at once: forks from the kept boundary against forks that re-prefill."""
+    from .bench import forks
+
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[boundaries]
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    _emit(forks.run(model, requests, batch, document_tokens, modes, log=log), out, as_json, forks.table)
+
+
 @bench.command("serve")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--clients", default="1,2,4,8", show_default=True, help="Concurrent clients, one level per value.")
@@ -647,9 +666,12 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json, behind the API key when keys are set.")
 @click.option("--shutdown-grace", default=10.0, show_default=True,
               help="Seconds running turns may finish after SIGTERM; then they are stopped with 503.")
+@click.option("--no-fork-boundaries", is_flag=True,
+              help="Keep no turn boundaries: a conversation sent again at once forks by re-prefilling its history.")
 @clean_errors
 def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
-          max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace) -> None:
+          max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
+          no_fork_boundaries) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
@@ -672,7 +694,8 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
     from .store import SessionStore
 
     quiet_loaders()
-    capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights)
+    capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights,
+                        keep_boundaries=not no_fork_boundaries)
     store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
     service = Service(model, policy, store, capacity)
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,

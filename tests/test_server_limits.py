@@ -476,3 +476,19 @@ def test_identical_requests_at_once_fork_from_the_boundary_instead_of_a_prefill(
         assert srv.post(f"/sessions/{sid}/verify").json()["ok"] is True
     print(f"forks: {len(from_boundary)} of 7 from the boundary, prompt {prompts[source]} tokens against "
           f"{history} for a prefill of the history")
+
+
+def test_bench_forks_small_run():
+    """``bench forks`` end to end: without kept boundaries every fork prefills the history, with them none does."""
+    from click.testing import CliRunner
+
+    from snapkv_sessions.cli import main
+
+    _need_bundle()
+    res = CliRunner().invoke(main, ["bench", "forks", "--requests", "3", "--batch", "2", "--document-tokens", "128",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["boundaries"]: r for r in json.loads(res.output)["rows"]}
+    assert rows[False]["forks"] == rows[True]["forks"] == 2 and rows[False]["from_boundary"] == 0
+    assert rows[True]["from_boundary"] == 2 and rows[True]["same_reply"] and rows[False]["same_reply"]
+    assert rows[True]["fork_prefill_tokens_median"] < rows[False]["fork_prefill_tokens_median"] / 4

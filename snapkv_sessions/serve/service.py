@@ -68,13 +68,15 @@ class Capacity:
 
     max_live: sessions kept in memory (others are rebuilt from the store when used); max_tokens: the reply cap of a
     request that names none; batch: decode slots, the turns decoded together (0: one turn at a time);
-    packed_weights: run the model's linear layers on weights packed once (:mod:`snapkv_sessions.packed`).
+    packed_weights: run the model's linear layers on weights packed once (:mod:`snapkv_sessions.packed`);
+    keep_boundaries: see :meth:`Service._keep_boundary`.
     """
 
     max_live: int = 16
     max_tokens: int = 256
     batch: int = 0
     packed_weights: bool = False
+    keep_boundaries: bool = True  # forks of a conversation sent again at once start from its kept turn boundary
 
     def __post_init__(self) -> None:
         at_least(self, {"max_live": 1, "max_tokens": 1, "batch": 0})
@@ -242,7 +244,7 @@ class Service(Router):
         capacity = capacity or Capacity()
         self.runner, model_id = runner_for(model)
         super().__init__(model_id, policy, store, capacity.max_tokens)
-        self.max_live = capacity.max_live
+        self.max_live, self.keep_boundaries = capacity.max_live, capacity.keep_boundaries
         self.live: OrderedDict[str, Session] = OrderedDict()
         self._guard = threading.Lock()  # the live LRU and the claims
         self._claims: dict[str, _Claim] = {}
@@ -381,7 +383,7 @@ class Service(Router):
         (:meth:`_fork_at_boundary`). The requests behind cannot be counted in time (they are still being read
         when this turn starts), so every turn continued by its content keeps one: a copy of its hot cache (its
         cold layers are shared), until unused for :data:`BOUNDARY_TTL_S`, at most :data:`BOUNDARIES_KEPT` at once."""
-        snap = session.snapshot()
+        snap = session.snapshot() if self.keep_boundaries else None
         if snap is None:
             return
         with self._guard:
