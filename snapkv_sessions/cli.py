@@ -430,6 +430,7 @@ def sessions_list(db, as_json) -> None:
 def sessions_show(session_id, db, as_json) -> None:
     """Show a session's messages with their token spans, and check its hash chain."""
     store = _store(db)
+    session_id = store.resolve_id(session_id)
     data = store.export(session_id)
     data["hash_chain_problems"] = store.verify(session_id)
     if as_json:
@@ -458,7 +459,9 @@ def sessions_show(session_id, db, as_json) -> None:
 @clean_errors
 def sessions_delete(session_id, db, as_json) -> None:
     """Delete a session and everything recorded for it."""
-    _store(db).delete_session(session_id)
+    store = _store(db)
+    session_id = store.resolve_id(session_id)
+    store.delete_session(session_id)
     click.echo(json.dumps({"deleted": session_id}) if as_json else f"deleted {session_id}")
 
 
@@ -469,7 +472,8 @@ def sessions_delete(session_id, db, as_json) -> None:
 @clean_errors
 def sessions_export(session_id, db, as_json) -> None:
     """Export a session (messages, turns, events) as JSON."""
-    click.echo(json.dumps(_jsonable(_store(db).export(session_id)), indent=2))
+    store = _store(db)
+    click.echo(json.dumps(_jsonable(store.export(store.resolve_id(session_id))), indent=2))
 
 
 def _fmt(value, spec: str = "") -> str:
@@ -577,7 +581,7 @@ def replay(session_id, db, turn, do_verify, against, plot_path, find_text, model
 
     need_matplotlib(plot_path)
     store = _store(db)
-    store.get_session(session_id)
+    session_id = store.resolve_id(session_id)
     if find_text is not None:
         quiet_loaders()
         found = audit.find(store, session_id, find_text, turn, model)

@@ -249,3 +249,31 @@ def test_a_waiter_on_a_removed_lock_file_locks_the_new_one(tmp_path):
     assert sorted(name for name, *_ in held) == ["newcomer", "waiter"]
     (_, _, first_end), (_, second_began, _) = sorted(held, key=lambda h: h[1])
     assert second_began >= first_end, held  # one after the other
+
+
+def test_a_session_id_prefix_is_accepted_where_an_id_is(tmp_path):
+    """A unique prefix of at least 8 characters (as a person copies it) names its session in `sessions show`,
+    `export`, `delete` and `replay`; an ambiguous or unknown one is a one-line error."""
+    from snapkv_sessions.store import SessionStore
+
+    db = tmp_path / "p.db"
+    store = SessionStore(f"sqlite:///{db}")
+    ids = ["aaaaaaaa-0000-4000-8000-000000000001", "aaaaaaaa-0000-4000-8000-000000000002",
+           "bbbbbbbb-0000-4000-8000-000000000003"]
+    for sid in ids:
+        store.create_session("m", "{}", "0" * 64, session_id=sid)
+    runner = CliRunner()
+    shown = runner.invoke(main, ["sessions", "show", "bbbbbbbb", "--db", str(db), "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["session"]["id"] == ids[2]
+    exported = runner.invoke(main, ["sessions", "export", "aaaaaaaa-0000-4000-8000-0000000000", "--db", str(db)])
+    assert exported.exit_code != 0 and "more than one session" in exported.output
+    missing = runner.invoke(main, ["replay", "cccccccc", "--db", str(db)])
+    assert missing.exit_code != 0 and "no id starts with it" in missing.output
+    assert len(missing.output.strip().splitlines()) == 1 and "Traceback" not in missing.output
+    short = runner.invoke(main, ["sessions", "show", "bbbb", "--db", str(db)])
+    assert short.exit_code != 0 and "at least 8" in short.output
+    deleted = runner.invoke(main, ["sessions", "delete", "aaaaaaaa-0000-4000-8000-000000000002", "--db", str(db),
+                                   "--json"])
+    assert deleted.exit_code == 0 and json.loads(deleted.output) == {"deleted": ids[1]}
+    again = runner.invoke(main, ["sessions", "show", "aaaaaaaa", "--db", str(db), "--json"])
+    assert again.exit_code == 0 and json.loads(again.output)["session"]["id"] == ids[0]  # unique now

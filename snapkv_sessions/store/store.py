@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -477,6 +478,24 @@ class SessionStore:
 
     # Every method taking a session id answers a value that is not one (is_session_id) as it answers a missing
     # session, without asking the database: such an id (a NUL, 10,000 characters) is no driver error.
+
+    def resolve_id(self, text: str) -> str:
+        """A full session id from ``text``: the id itself, or a unique prefix of at least 8 characters (as a person
+        copies it from ``sessions list``); :class:`StoreError` when no session or several match."""
+        if is_session_id(text):
+            return text
+        if not isinstance(text, str) or not re.fullmatch(r"[0-9a-f-]{8,35}", text):
+            raise StoreError(f"session_id={str(text)[:80]!r}: no such session (an id is a UUID, or a prefix of at "
+                             "least 8 of its characters)")
+        cols = schema.sessions.c
+        with self._connect() as conn:
+            found = [r[0] for r in conn.execute(select(cols.id).where(cols.id.startswith(text, autoescape=True))
+                                                .limit(2))]
+        if not found:
+            raise StoreError(f"session_id={text!r}: no such session (no id starts with it) in {self!r}")
+        if len(found) > 1:
+            raise StoreError(f"session_id={text!r}: more than one session starts with it; give more characters")
+        return found[0]
 
     def session_exists(self, session_id: str) -> bool:
         if not is_session_id(session_id):
