@@ -105,7 +105,8 @@ def demo(model, policy, budget, window, max_new_tokens, db, as_json) -> None:
         else:
             roles = ", ".join(f"{r} {v:.0%}" for r, v in row["kept_per_role"].items())
             click.echo(
-                f"\n  context {row['context_tokens']} tok -> cache {row['cache_after']} per layer/head; kept {roles}; "
+                f"\n  context {row['context_tokens']} tok with the reply -> cache {row['cache_after']} per layer/head; "
+                f"kept {roles}; "
                 f"compression {row['compression_ms']:.1f} ms; drift {row['decision']}; "
                 f"re-prefill {'yes' if row['reprefill'] else 'no'}; "
                 f"expected {row['expected']!r}: {'found' if row['correct'] else 'NOT found'}"

@@ -1,7 +1,7 @@
 """The scripted demo behind ``snapkv-sessions demo``: a multi-turn Session on the embedded SQLite store.
 
 A short delivery list, four questions: a lookup, a follow-up on the same record (the cache is kept), a lookup of
-another record (a new subject) and a summary (a task shift): drift sees both, and the tiered memory serves them
+another record (a new subject, which drift sees) and a summary of the whole list; the tiered memory serves both
 from what compression evicted, without a re-prefill.
 Every turn compresses the cache to the budget. Each question's expected fact is part of the script, so a wrong
 answer shows.
@@ -39,7 +39,8 @@ QUESTIONS = [
     Question("Who delivers Maria's parcel?", "Tom", "a lookup"),
     Question("And which depot does Maria's parcel leave from?", "Oslo", "a follow-up: the compressed cache is kept"),
     Question("Who delivers Tariq's parcel?", "Sam", "another record, likely evicted: the tier brings it back"),
-    Question("Summarise in one sentence what this whole list is about.", "parcel", "a task shift: the tier serves it"),
+    Question("Summarise in one sentence what this whole list is about.", "parcel",
+             "a summary of the whole list: the tier serves it"),
 ]
 
 

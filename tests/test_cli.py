@@ -79,7 +79,7 @@ def test_demo_prints_each_question_before_its_answer(monkeypatch):
     demo_command.callback(None, "default", 160, 16, 40, None, False)
     for q, printed in zip(QUESTIONS, printed_when_turn_ran, strict=True):
         assert printed.endswith(f"  user: {q.text}\n  assistant: ")
-    assert f"user: {QUESTIONS[0].text}\n  assistant: Tom\n  context 200 tok" in out.getvalue()
+    assert f"user: {QUESTIONS[0].text}\n  assistant: Tom\n  context 200 tok with the reply" in out.getvalue()
     assert out.getvalue().count("found") == 4 and "NOT found" not in out.getvalue()
 
 
