@@ -200,8 +200,9 @@ class VerifyResult:
     chain_problems: list[str] = field(default_factory=list)
 
 
-def verify(store: SessionStore, session_id: str, model=None) -> VerifyResult:
-    """Hash chain and seals, policy hashes, then a re-execution from the raw store compared turn by turn.
+def verify(store: SessionStore, session_id: str, model=None, progress=None) -> VerifyResult:
+    """Hash chain and seals, policy hashes, then a re-execution from the raw store compared turn by turn;
+    ``progress(done, total)`` after each re-executed turn (a long verify shows it is alive).
 
     The first difference is reported: a reply, a kept-position set, a drift decision or the prefill tokens. A turn
     record whose seal fails is re-executed too, so the field that differs is named; one that re-executes equal is
@@ -221,6 +222,8 @@ def verify(store: SessionStore, session_id: str, model=None) -> VerifyResult:
     checked = 0
     for rec, new in _reexecute(store, session_id, policy, model if model is not None else sess["model_id"], done):
         checked += 1
+        if progress is not None:
+            progress(checked, len(done))
         mismatch = _compare(rec, new)
         if mismatch is not None:
             return VerifyResult(False, checked, mismatch, integrity.problems)

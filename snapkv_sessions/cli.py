@@ -590,7 +590,9 @@ def replay(session_id, db, turn, do_verify, against, plot_path, find_text, model
         return
     if do_verify:
         quiet_loaders()
-        result = audit.verify(store, session_id, model)
+        shown = (lambda *_: None) if as_json else (
+            lambda done, total: click.echo(f"re-executed turn {done} of {total}", err=True))
+        result = audit.verify(store, session_id, model, progress=shown)
         payload = {"ok": result.ok, "turns_checked": result.turns_checked,
                    "mismatch": None if result.mismatch is None else {
                        "turn": result.mismatch.turn, "field": result.mismatch.field,

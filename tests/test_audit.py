@@ -118,6 +118,9 @@ def test_verify_passes_then_names_what_was_altered(recorded):
     res = CliRunner().invoke(main, ["replay", sid, "--db", db, "--verify", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output) == {"ok": True, "turns_checked": 3, "mismatch": None}
+    shown = CliRunner().invoke(main, ["replay", sid, "--db", db, "--verify"])  # text mode says it is alive
+    assert shown.exit_code == 0 and shown.stderr.splitlines() == [f"re-executed turn {i} of 3" for i in (1, 2, 3)]
+    assert shown.stdout.startswith("verified: hash chain intact, 3 turns re-executed identically")
 
     # a kept set altered in the record: named with turn, layer and head
     rec = store.turns(sid)[1]
