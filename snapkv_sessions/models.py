@@ -19,6 +19,7 @@ import importlib.metadata as md
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -163,6 +164,10 @@ def _resolve_bundle(bundle: Bundle) -> Path:
 def _build_bundle(bundle: Bundle, target: Path) -> None:
     parts = bundle.locate()
     cache_dir().mkdir(parents=True, exist_ok=True)
+    size = sum(p.stat().st_size for p in parts)
+    # the first use of a bundle writes fp32 weights (several times the packaged size): say so, once, on stderr
+    print(f"snapkv-sessions: converting bundle {bundle.name} once into {target} ({size / 2**30:.1f} GiB packaged; "
+          "the fp32 copy is larger); later loads read it directly", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
         gguf = Path(tmp) / f"{bundle.name}.gguf"
         digest = hashlib.sha256()

