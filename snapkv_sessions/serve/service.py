@@ -313,7 +313,7 @@ class Service(Router):
             emit(out.content)
             out.shown = out.content
             return out
-        if not fresh:  # a new session admitted the request whole before it was created (_create)
+        if not fresh:  # a new session or a fork admitted the request whole as it was made (_create, _fork_at_boundary)
             session.admit(new, turn.generation["max_new_tokens"])
         if job.should_stop():
             return None
