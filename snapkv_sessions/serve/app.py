@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -81,12 +82,11 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         at_least(self, {"max_queue": 1, "max_body_bytes": 1, "max_messages": 1})
-        for name, low in (("request_timeout_s", 0.0), ("shutdown_grace_s", -1e-9)):
+        for name, zero_ok in (("request_timeout_s", False), ("shutdown_grace_s", True)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > low \
-                    or value != value or value == float("inf"):
-                raise ConfigError(name, value, "must be a finite number of seconds > 0" if low == 0
-                                  else "must be a finite number of seconds >= 0")
+            number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            if not number or value < 0 or (value == 0 and not zero_ok):
+                raise ConfigError(name, value, f"must be a finite number of seconds {'>=' if zero_ok else '>'} 0")
 
 
 class ApiError(Exception):
