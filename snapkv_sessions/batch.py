@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .cache import set_layer
+from .runner import Forward
 from .state import KVState
 
 _ROUND = 64  # slot widths grow in steps of this many tokens, so a step's shapes rarely change
@@ -157,12 +158,11 @@ class SlotPool:
         positions = [s.state.next_position + len(s.fed) for s in self.slots]
         position_ids = torch.tensor(positions, device=device)[:, None]  # (n, 1) true positions
         masks = KeyMasks()
-        out = runner.model(input_ids=input_ids, position_ids=position_ids, cache=SlotCache(self, n, masks),
-                           use_cache=True, logits_to_keep=1, snapkv_keymask=masks)
+        logits = runner.forward(Forward(input_ids, position_ids, SlotCache(self, n, masks), key_masks=masks))  # (n, V)
         for slot, token in zip(self.slots, tokens, strict=True):
             slot.fed.append(int(token))
             slot.lengths = [length + 1 for length in slot.lengths]
-        return out.logits[:, -1]  # (n, V)
+        return logits  # (n, V)
 
 
 class SlotLayer(DynamicLayer):

@@ -1,16 +1,128 @@
-"""CompactCache: a preallocated KV cache whose decode step writes in place instead of re-concatenating.
+"""The caches a conversation's KV lives in, and the memory protocol the runner drives every turn through.
 
-transformers' DynamicCache concatenates the whole layer cache at every token (``torch.cat``), so a decode step
-costs a copy of everything held. Here each layer owns a buffer ``(B, Hkv, capacity, D)``; ``keys`` and
-``values`` are views of its first ``length`` slots. Compression writes the kept slots into a buffer of exactly
-the kept size (resident KV = budget x per-token size); :meth:`CompactCache.reserve` makes room for a reply's
-tokens once, before decoding, so that no step reallocates.
+:class:`CompactCache`: transformers' DynamicCache concatenates the whole layer cache at every token
+(``torch.cat``), so a decode step costs a copy of everything held. Here each layer owns a buffer
+``(B, Hkv, capacity, D)``; ``keys`` and ``values`` are views of its first ``length`` slots. Compression writes the
+kept slots into a buffer of exactly the kept size (resident KV = budget x per-token size);
+:meth:`CompactCache.reserve` makes room for a reply's tokens once, before decoding, so that no step reallocates.
+
+Every cache here also answers the turn's memory questions (:class:`HotOnly`): what a turn's compression reads
+(:meth:`~HotOnly.history`), how the chosen slots are kept (:meth:`~HotOnly.keep`), and the hooks a turn's start,
+prefill and end pass through. A cache without a tier holds its history in the hot slots alone; the tiered cache
+(:class:`snapkv_sessions.tier.TieredCache`) overrides them with its host tier, after transformers'
+``cache_utils``, where offload and prefetch live inside the cache. The runner calls the protocol and never
+knows which memory it has.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .gpu import fused_gather
+
+if TYPE_CHECKING:
+    from .state import KVState
+
+
+@dataclass(frozen=True)
+class History:
+    """What a turn's compression reads and chooses from: every slot the conversation holds, per layer.
+
+    positions[l] (B, Hkv, T_l): the true position of each slot, sorted; token_ids and pinned (N,) over true
+    positions; ``kv(l)`` the layer's keys and values (B, Hkv, T_l, D), built on demand (a tiered cache builds one
+    layer's union at a time). Scorers read exactly this (:class:`snapkv_sessions.scorers.Scorer`).
+    """
+
+    positions: Sequence[torch.Tensor]
+    token_ids: Sequence[int]
+    pinned: torch.Tensor
+    next_position: int
+    kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    nbytes: int  # key and value bytes of every slot held, hot and cold
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.kv(layer)[0]  # (B, Hkv, T_l, D)
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.kv(layer)[1]  # (B, Hkv, T_l, D)
+
+    def lengths(self) -> list[int]:
+        return [int(p.shape[-1]) for p in self.positions]
+
+
+class HotOnly:
+    """The memory protocol of a cache whose history is its hot slots alone (no tier): a turn compresses what the
+    cache holds and keeps the chosen slots by gathering them. :class:`~snapkv_sessions.tier.TieredCache`
+    overrides each hook."""
+
+    cold = None  # the host tier (snapkv_sessions.tier.ColdKV), on a tiered cache
+
+    @property
+    def lost(self) -> str | None:
+        """Why the tier no longer holds the session (it must re-prefill from the store); None when it does."""
+        return None
+
+    def refeedable(self, state: KVState) -> int:
+        """How many tokens of the history the next prefill may feed again (none without a tier)."""
+        return 0
+
+    def can_clone(self) -> bool:
+        """Whether :meth:`clone` makes an exact copy now (a fork's)."""
+        return hasattr(self, "clone")
+
+    def lease(self) -> contextlib.AbstractContextManager[None]:
+        """Holds the memory for one turn (a tier is not evicted while leased); nothing to hold here."""
+        return contextlib.nullcontext()
+
+    def release(self) -> None:
+        """The conversation is done with this cache (its tier, if any, goes back to the pool)."""
+
+    def begin_turn(self, state: KVState, reach: int) -> None:
+        """A turn starts. ``reach``: history tokens its prefill's observation window reaches back over (only a
+        tier can feed them again)."""
+
+    def attending(self, state: KVState) -> contextlib.AbstractContextManager[None]:
+        """For one prefill forward: what the attention sees (here, the hot slots)."""
+        return contextlib.nullcontext()
+
+    def prefill_done(self, state: KVState) -> None:
+        """The turn's prefill and compression are done; decode writes to the hot slots next."""
+
+    def history(self, state: KVState) -> History:
+        layers = self.layers  # type: ignore[attr-defined]  # the Cache's layers
+        return History(state.positions, state.token_ids, state.pinned, state.next_position,
+                       lambda layer: (layers[layer].keys, layers[layer].values), state.kv_bytes())
+
+    def keep(self, state: KVState, chosen: dict[int, torch.Tensor]) -> bool:
+        """Keep each chosen layer's slots ``chosen[l]`` (B, Hkv, K); returns whether the memory changed."""
+        if not chosen:
+            return False
+        layers = self.layers  # type: ignore[attr-defined]
+        fused = None
+        if isinstance(self, CompactCache) and len(chosen) == len(layers) and len({i.shape for i in chosen.values()}) == 1:
+            fused = fused_gather(layers[0].keys.device)  # Triton on CUDA; None elsewhere
+        if fused is not None:
+            idx = torch.stack([chosen[layer] for layer in range(len(layers))])  # (L, B, Hkv, K)
+            keys, values = fused([lay.keys for lay in layers], [lay.values for lay in layers], idx)  # (L, B, Hkv, K, D)
+            self.replace_all(keys, values)
+        else:
+            for layer, idx in chosen.items():
+                lay = layers[layer]
+                rows = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
+                set_layer(lay, lay.keys.gather(2, rows), lay.values.gather(2, rows))  # (B, Hkv, K, D) each
+        for layer, idx in chosen.items():
+            state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
+        return True
+
+    def tier_report(self, state: KVState) -> dict | None:
+        """The tier's figures for the turn's compression report (None without a tier)."""
+        return None
 
 
 class CompactLayer(DynamicLayer):
@@ -45,10 +157,6 @@ class CompactLayer(DynamicLayer):
         self._k, self._v = k, v
         self._sync_views()
 
-    # Set by the runner for one tiered prefill forward (snapkv_sessions.tier): what the attention sees is then
-    # the layer's whole history (hot and cold, in true-position order) plus the new slots, a transient buffer.
-    attend_to = None
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -60,8 +168,6 @@ class CompactLayer(DynamicLayer):
         self._v[:, :, self.length : self.length + n] = value_states
         self.length += n
         self._sync_views()
-        if self.attend_to is not None:
-            return self.attend_to(self.keys, self.values)
         return self.keys, self.values
 
     def truncate(self, length: int) -> None:
@@ -84,11 +190,13 @@ class CompactLayer(DynamicLayer):
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
 
-class CompactCache(Cache):
+class CompactCache(HotOnly, Cache):
     """A Cache of :class:`CompactLayer`, one per model layer."""
 
+    layer_class: type[CompactLayer] = CompactLayer
+
     def __init__(self, num_layers: int) -> None:
-        super().__init__(layers=[CompactLayer() for _ in range(num_layers)])
+        super().__init__(layers=[self.layer_class() for _ in range(num_layers)])
 
     def reserve(self, extra: int) -> None:
         for layer in self.layers:
@@ -101,16 +209,27 @@ class CompactCache(Cache):
     def clone(self) -> CompactCache:
         """An independent copy of the slots held (no spare capacity): a fork of a session starts from it."""
         out = CompactCache(len(self.layers))
+        self._copy_into(out)
+        return out
+
+    def _copy_into(self, out: CompactCache) -> None:
         for mine, theirs in zip(out.layers, self.layers, strict=True):
             if theirs.is_initialized:
                 mine.lazy_initialization(theirs.keys, theirs.values)
                 mine.replace(theirs.keys.clone(), theirs.values.clone())  # (B, Hkv, length, D) each
-        return out
 
     def replace_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Every layer holds exactly its slice of ``keys``/``values`` (L, B, Hkv, K, D): one storage for all."""
         for layer, lay in enumerate(self.layers):
             lay.replace(keys[layer], values[layer])  # contiguous slices: views, no copy
+
+
+class PlainDynamicCache(HotOnly, DynamicCache):
+    """transformers' DynamicCache (concatenates at every step), with the memory protocol of a cache without a
+    tier (the runner's ``cache="dynamic"``)."""
+
+    def can_clone(self) -> bool:
+        return False
 
 
 def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:

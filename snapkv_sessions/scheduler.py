@@ -17,8 +17,11 @@ Failures stay with the reply they belong to: an error while one reply samples (i
 slot) takes that reply out of the batch and goes to its reader alone; the others go on, token for token as alone.
 Only an error of the shared forward (:meth:`SlotPool.step`) reaches every reply in the step.
 
-Sessions talk to it through their runner (:attr:`ModelRunner.scheduler`): ``_forward`` and ``compress`` go
-through :meth:`Scheduler.call`, ``generate`` through :meth:`Scheduler.decode`; a session's code does not change.
+The scheduler owns its runner and the runner never refers to it (after vLLM v1's engine core, whose scheduler
+and model runner do not know each other): the sessions it serves run on :attr:`Scheduler.runner`, a view of the
+same model whose executor is this scheduler (:meth:`ModelRunner.on`), so their forwards and compressions come
+here through :meth:`Scheduler.call` and their replies through :meth:`Scheduler.decode`; a session's code does not
+change. The batched step runs the model through the runner's one forward path (:meth:`ModelRunner.forward`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -35,9 +39,11 @@ import torch
 
 from .batch import Slot, SlotPool
 from .generation import Decoder
+from .runner import Inline
 from .state import KVState
 
 _END = object()  # a reply's last item on its queue
+_SCHEDULED: weakref.WeakSet = weakref.WeakSet()  # runners a live scheduler owns: one thread per model
 
 
 @dataclass
@@ -69,19 +75,21 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Serves every session of ``runner`` from one thread; attaches itself to the runner.
+    """Serves many sessions of one model from one thread.
 
     Parameters
     ----------
-    runner : the :class:`~snapkv_sessions.runner.ModelRunner`; its sessions' forwards all come here
+    runner : the :class:`~snapkv_sessions.runner.ModelRunner` it owns; sessions run on :attr:`runner`, its view
+        bound to this scheduler, and their forwards all come here
     slots : the most sessions decoding in one step; more wait for a free slot
     static : fixed step shapes (see :class:`~snapkv_sessions.batch.SlotPool`)
     """
 
     def __init__(self, runner, slots: int = 8, static: bool = False) -> None:
-        if runner.scheduler is not None:
+        if runner in _SCHEDULED or not isinstance(runner.executor, Inline):
             raise ValueError("this runner already has a scheduler")
-        self.runner = runner
+        self.model_runner = runner  # runs the batched steps; knows nothing of the scheduler
+        self.runner = runner.on(self)  # what the scheduler's sessions run on
         self.pool = SlotPool(runner.num_layers, slots, static)
         self.stats = SchedulerStats()
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
@@ -90,7 +98,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._closing = False
         self.thread = threading.Thread(target=self._loop, name="snapkv-scheduler", daemon=True)
-        runner.scheduler = self
+        _SCHEDULED.add(runner)
         self.thread.start()
 
     # ------------------------------------------------------------------ the sessions' side
@@ -133,13 +141,12 @@ class Scheduler:
                 item.gone.wait()
 
     def close(self, wait_s: float = 30.0) -> None:
-        """Stop the loop after the work in hand; the runner runs its sessions alone again."""
+        """Stop the loop after the work in hand; the model's runner may get another scheduler."""
         with self._wake:
             self._closing = True
             self._wake.notify()
         self.thread.join(timeout=wait_s)
-        if self.runner.scheduler is self:
-            self.runner.scheduler = None
+        _SCHEDULED.discard(self.model_runner)
 
     # ------------------------------------------------------------------ the loop
 
@@ -206,7 +213,7 @@ class Scheduler:
         if not ready:
             return
         t0 = time.perf_counter()
-        logits = self.pool.step(self.runner, [item.decoder.last for item in ready])  # (n, V)
+        logits = self.pool.step(self.model_runner, [item.decoder.last for item in ready])  # (n, V)
         self.stats.step_s += time.perf_counter() - t0
         self.stats.steps += 1
         self.stats.rows += len(ready)

@@ -23,27 +23,26 @@ from typing import Protocol
 
 import torch
 
+from .cache import History
 from .config import BUILTIN_SCORERS, CompressionConfig
 from .errors import ConfigError
 from .gpu import fused_scorer
 from .press import SnapKV, select_positions, spread_over_words
-from .state import KVState
 
 
 class Scorer(Protocol):
     """Ranks the history slots of one layer, per KV head; higher is kept first."""
 
-    def score(self, window_probs: torch.Tensor, state: KVState, layer: int) -> torch.Tensor:
+    def score(self, window_probs: torch.Tensor, state: History, layer: int) -> torch.Tensor:
         """History scores of ``layer``.
 
         Parameters
         ----------
         window_probs : (B, Hq, T) the probe's window-mean attention over the layer's cache, float32
-        state : the conversation: keys ``state.cache.layers[layer].keys`` (B, Hkv, T, D), true positions
-            ``state.positions[layer]`` (B, Hkv, T), token ids ``state.token_ids`` (indexed by true position),
-            ``state.pinned`` and ``state.next_position``. On a tiered session it is a
-            :class:`~snapkv_sessions.tier.UnionView` (the whole history, hot and cold), which offers exactly these;
-            a scorer must read nothing else.
+        state : what the compression chooses from (:class:`~snapkv_sessions.cache.History`): keys
+            ``state.keys(layer)`` (B, Hkv, T, D), true positions ``state.positions[layer]`` (B, Hkv, T), token ids
+            ``state.token_ids`` (indexed by true position), ``state.pinned`` and ``state.next_position``. On a
+            tiered session it is the whole history, hot and cold; a scorer must read nothing else.
         layer : the layer index
 
         Returns
@@ -125,7 +124,7 @@ class KeepRule:
     n_pinned: int | None = None
 
 
-def select_layer(scorer: Scorer, window_probs: torch.Tensor, state: KVState, layer: int, budget: int,
+def select_layer(scorer: Scorer, window_probs: torch.Tensor, state: History, layer: int, budget: int,
                  rule: KeepRule) -> torch.Tensor:
     """Sorted slots of ``layer`` to keep, (B, Hkv, K): the scorer's top history slots, pins forced in, + window.
 
@@ -161,7 +160,7 @@ class StreamingLLM:
     window: int
     sinks: int = 4
 
-    def score(self, window_probs: torch.Tensor, state: KVState, layer: int) -> torch.Tensor:
+    def score(self, window_probs: torch.Tensor, state: History, layer: int) -> torch.Tensor:
         positions = state.positions[layer]  # (B, Hkv, T)
         hist = positions.shape[-1] - self.window
         recency = torch.arange(hist, dtype=torch.float32, device=positions.device)  # (T - W,) later is higher
@@ -186,16 +185,16 @@ class SpanAware:
         if unit not in SPAN_UNITS:
             raise ConfigError("span_unit", unit, f"must be one of {list(SPAN_UNITS)}")
         self.inner, self.tokenizer, self.unit = inner, tokenizer, unit
-        self._memo: tuple[KVState, int, torch.Tensor] | None = None  # (state, its length, span ids)
+        self._memo: tuple[History, int, torch.Tensor] | None = None  # (history, its length, span ids)
 
-    def score(self, window_probs: torch.Tensor, state: KVState, layer: int) -> torch.Tensor:
+    def score(self, window_probs: torch.Tensor, state: History, layer: int) -> torch.Tensor:
         scores = self.inner.score(window_probs, state, layer)  # (B, Hkv, P)
         spans = self._spans(state, scores.device)  # (N,)
         hist_pos = state.positions[layer][..., : scores.shape[-1]]  # (B, Hkv, P)
         # span ids count span starts, so they stay below the number of true positions
         return spread_over_words(scores, spans[hist_pos], num_words=len(spans) + 1)  # (B, Hkv, P)
 
-    def _spans(self, state: KVState, device: torch.device) -> torch.Tensor:
+    def _spans(self, state: History, device: torch.device) -> torch.Tensor:
         """(N,) span ids of ``state``, tokenized once per compression rather than once per layer."""
         memo = self._memo
         if memo is None or memo[0] is not state or memo[1] != state.next_position:

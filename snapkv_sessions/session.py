@@ -9,6 +9,7 @@ new process and how a worker catches up with turns another worker ran.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 import warnings
@@ -90,6 +91,7 @@ class Session:
         self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
                                   subjects=policy.drift.new_subject, follow_ups=bool(policy.drift.follow_ups))
         self.recovered: Reply | None = None
+        self._lease = contextlib.ExitStack()  # the memory's hold for the turn in hand (HotOnly.lease)
         if policy.tiered:
             POOL.configure(policy.memory.max_bytes, policy.memory.spill_dir)
         self.state = None
@@ -150,9 +152,7 @@ class Session:
         when the cache does not hold the store's last turn exactly (a turn pending or not yet applied here, a tier
         evicted or spilled, a cache kind that does not clone)."""
         row = self.store.get_session(self.id)  # one row and two filtered reads: cheap enough for every turn
-        cold = self.state.cold
-        if (row["turns_done"] != self.turns_applied or not self.turns_applied or not hasattr(self.state.cache, "clone")
-                or (cold is not None and (cold.lost is not None or cold.spilled is not None))
+        if (row["turns_done"] != self.turns_applied or not self.turns_applied or not self.state.cache.can_clone()
                 or self.store.pending_turn(self.id) is not None):
             return None
         abandoned = [t["turn"] for t in self.store.turns(self.id, status="abandoned")]
@@ -182,8 +182,7 @@ class Session:
                                  session_id=session_id,
                                  title=title or f"fork of {snapshot.source_id} at turn {snapshot.turns_applied}")
         fork = cls(sid, store, runner, policy, model_id)
-        if fork.state.cold is not None:
-            POOL.release(fork.state.cold)  # the empty tier of a new session, replaced by the snapshot's
+        fork.state.cache.release()  # the empty cache of a new session, replaced by the snapshot's
         fork.state = snapshot.state.clone()
         fork.transcript.copy_from(snapshot.transcript)
         fork.drift.copy_from(snapshot.drift)
@@ -223,11 +222,10 @@ class Session:
         self.turns_applied = 0
 
     def _restart_cache(self) -> None:
-        if self.state is not None and self.state.cold is not None:
-            POOL.release(self.state.cold)
-        self.state = self.runner.new_state(tiered=self.policy.tiered)
-        if self.state.cold is not None:
-            self.state.cold.refeed_reply = self.policy.memory.refeed_reply
+        if self.state is not None:
+            self.state.cache.release()
+        self.state = self.runner.new_state(tiered=self.policy.tiered,
+                                           refeed_reply=self.policy.tiered and self.policy.memory.refeed_reply)
         self.transcript.reset()
 
     @property
@@ -375,10 +373,8 @@ class Session:
             self._tier_done()
 
     def _tier_done(self) -> None:
-        """The turn's tier may be evicted again, and the pool is brought within its cap (never raises)."""
-        if self.state.cold is not None:
-            POOL.done(self.state.cold)
-            POOL.enforce()  # the least recently used idle tiers go first
+        """The turn's hold on the memory ends (a tier may be evicted again; :meth:`HotOnly.lease`)."""
+        self._lease.close()
 
     def _close_failed(self, turn: int, exc: BaseException) -> None:
         """Record a failed turn as abandoned, if the store can; else it stays pending, and the next use of the
@@ -392,9 +388,8 @@ class Session:
                           "resolved when the session is next used", RuntimeWarning, stacklevel=3)
 
     def _context(self, user_seq: int, reprefill: bool) -> TurnContext:
-        cold = self.state.cold
         return TurnContext(user_seq=user_seq, pending=len(self.state.pending), reprefill=reprefill,
-                           refed=cold.refeedable(self.state) if cold is not None and not reprefill else 0,
+                           refed=0 if reprefill else self.state.cache.refeedable(self.state),
                            window=self.policy.compression.window, min_prompt_tokens=self.policy.min_prompt_tokens)
 
     def _execute(self, plan: TurnPlan, msgs: list[Message], user_seq: int, gen: GenerationConfig | None = None,
@@ -403,11 +398,10 @@ class Session:
         if plan.reprefill:  # the store is the source of truth: the whole prompt is rebuilt from it
             self._restart_cache()
             self.drift.reset()
-        if self.state.cold is not None:
-            if self.state.cold.lost:  # only a live turn decides; a replay follows the record
-                raise StoreError(f"session_id={self.id!r}: the cold tier was lost ({self.state.cold.lost}) during "
-                                 "a replay; open the session again")
-            POOL.touch(self.state.cold)  # in use until the turn ends (_tier_done)
+        if self.state.cache.lost:  # only a live turn decides; a replay follows the record
+            raise StoreError(f"session_id={self.id!r}: the cold tier was lost ({self.state.cache.lost}) during "
+                             "a replay; open the session again")
+        self._lease.enter_context(self.state.cache.lease())  # held until the turn ends (_tier_done)
         plan = self.transcript.attach(plan, msgs, self._context(user_seq, plan.reprefill))
         run = self.runner.run(self.state, plan, self.policy.compression, gen, forced)
         self.transcript.advance(plan)
@@ -469,11 +463,10 @@ class Session:
     def _tier_decision(self, decision: str, events: list[tuple[str, dict]]) -> str:
         """With the tiered memory: a lost tier re-prefills (with an event saying why); a shift the tier holds is
         served by it ("tiered") unless ``memory.on_shift`` asks for re-prefills."""
-        cold = self.state.cold
-        if cold is None:
+        if not self.policy.tiered:
             return decision
-        if cold.lost:
-            events.append(("tier_lost", {"reason": cold.lost}))
+        if self.state.cache.lost:
+            events.append(("tier_lost", {"reason": self.state.cache.lost}))
             return "reprefill"
         if decision == "reprefill" and self.policy.memory.on_shift == "tier":
             return "tiered"
@@ -494,7 +487,7 @@ class Session:
     def _sync(self) -> None:
         """Bring the cache up to the store: replay done turns not applied here; resolve a pending one."""
         done = self.store.turns(self.id, status="done")
-        if self.state.cold is not None and self.state.cold.lost and any(r["turn"] > self.turns_applied for r in done):
+        if self.state.cache.lost and any(r["turn"] > self.turns_applied for r in done):
             self._reset()  # turns to catch up on, and no tier to run them on: rebuild both from the start
             done = self.store.turns(self.id, status="done")
         try:

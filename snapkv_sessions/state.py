@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .report import CompressionReport
-from .tier import ColdKV
 
 
 @dataclass
@@ -18,7 +17,8 @@ class KVState:
     ----------
     cache:
         The transformers cache; ``cache.layers[l].keys`` is (B, Hkv, T_l, D), post-RoPE. T_l differs between
-        layers under a pyramid budget.
+        layers under a pyramid budget. It is also the conversation's memory (:class:`~snapkv_sessions.cache.HotOnly`):
+        a :class:`~snapkv_sessions.tier.TieredCache` holds what compression evicted in its host tier.
     positions:
         ``positions[l]`` (B, Hkv, T_l) long: the true (absolute) position of each slot of layer ``l``, per KV
         head. Sorted along the last dim. This is what the audit maps back to messages.
@@ -34,9 +34,6 @@ class KVState:
         the others are not pinned.
     reports:
         One CompressionReport per compression, in order.
-    cold:
-        The tiered memory's host tier (:class:`~snapkv_sessions.tier.ColdKV`): what compression evicted, so
-        that every prefill sees the whole history; None when the state is not tiered.
     """
 
     cache: object
@@ -47,7 +44,11 @@ class KVState:
     pending_pinned: list[bool] = field(default_factory=list)
     reports: list[CompressionReport] = field(default_factory=list)
     last_stop_reason: str | None = None
-    cold: ColdKV | None = None
+
+    @property
+    def cold(self):
+        """The tiered cache's host tier (:class:`~snapkv_sessions.tier.ColdKV`), for reading; None untiered."""
+        return self.cache.cold
 
     @property
     def next_position(self) -> int:
@@ -67,12 +68,12 @@ class KVState:
         return self.positions[layer][batch, head].tolist()
 
     def clone(self) -> KVState:
-        """An independent copy (a fork's): the hot cache copied, the cold tier's layers shared (:meth:`ColdKV.clone`).
-        Only the compact cache clones."""
+        """An independent copy (a fork's): the hot cache copied, a tier's cold layers shared
+        (:meth:`~snapkv_sessions.tier.TieredCache.clone`). Only the compact caches clone."""
         return KVState(cache=self.cache.clone(), positions=[p.clone() for p in self.positions],
                        token_ids=list(self.token_ids), pinned=self.pinned.clone(), pending=list(self.pending),
                        pending_pinned=list(self.pending_pinned), reports=list(self.reports),
-                       last_stop_reason=self.last_stop_reason, cold=None if self.cold is None else self.cold.clone())
+                       last_stop_reason=self.last_stop_reason)
 
     def requeue(self, start: int) -> None:
         """Send the tokens at true positions ``start`` and after back to ``pending``, ahead of what is pending

@@ -1,12 +1,13 @@
 """Tiered KV memory: what compression evicts waits in a host tier, and every turn's prefill sees all of it.
 
-The hot cache (``KVState.cache``, on the model's device) holds the budget and is what decode reads. A
-:class:`ColdKV` holds, per layer and KV head, every slot the last compression evicted, with its true position,
-in host memory (pinned on CUDA). Hot and cold together always hold every position of the history exactly once,
-so a turn's prefill can attend to all of it (:func:`union`, one layer at a time) and the compression can choose
-the new hot set from all of it (:class:`UnionView`): the turn then equals a fresh full prefill compressed with
+A :class:`TieredCache` is the conversation's cache: its hot layers (on the model's device) hold the budget and
+are what decode reads; its :class:`ColdKV` holds, per layer and KV head, every slot the last compression evicted,
+with its true position, in host memory (pinned on CUDA). Hot and cold together always hold every position of the
+history exactly once, so a turn's prefill can attend to all of it (:meth:`TieredCache.attending`, one layer's
+:func:`union` at a time) and the compression can choose the new hot set from all of it
+(:meth:`TieredCache.history`, :meth:`TieredCache.keep`): the turn then equals a fresh full prefill compressed with
 this turn's window ("re-prefill every turn"), without the re-prefill. The reply tokens, whose KV decode computed
-against the hot cache alone, are fed again with the next turn's tokens (:meth:`ColdKV.rewind`).
+against the hot cache alone, are fed again with the next turn's tokens (:meth:`TieredCache.begin_turn`).
 
 :class:`~snapkv_sessions.tierpool.TierPool` caps the bytes all sessions of a process keep cold, drops (or spills
 to disk as safetensors) the least recently used session's tier first, and says why; a session whose tier is gone
@@ -21,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .cache import CompactCache, CompactLayer, History
 
 
 @dataclass
@@ -103,64 +106,6 @@ class ColdKV:
         """Forget the evicted slots; the session's next turn re-prefills and records ``reason``."""
         self.layers = [None] * len(self.layers)
         self.lost = reason
-
-    def begin_turn(self, state) -> None:
-        """A turn starts on ``state``: fresh stats, and what was hot (what "recalled" is counted against)."""
-        self.stats = TierStats()
-        self.hot_at_start = list(state.positions)  # per layer (B, Hkv, T): slots hot before this turn
-        self.history_at_start = state.next_position
-
-    def refeedable(self, state) -> int:
-        """How many tokens of the history the next prefill may feed again: all of them, since each one's KV is
-        exactly recomputable over the whole history; none when the policy keeps the reply's decoded KV."""
-        return state.next_position if self.refeed_reply else 0
-
-    def reply_length(self, state) -> int:
-        """How many tokens of the last reply the next prefill must feed again (0 when it keeps their KV)."""
-        if self.decode_start is None or not self.refeed_reply:
-            return 0
-        return max(0, state.next_position - self.decode_start)
-
-    def rewind(self, state, n: int = 0) -> int:
-        """Send the history's last ``n`` tokens (at least the last reply's) back to ``state.pending``, so the next
-        prefill computes their KV, and their queries' scores, over the whole history.
-
-        The reply alone was appended last by decode in every layer: its slots are cut off the hot cache. Reaching
-        further back (a turn shorter than the observation window, whose window must reach back as far as a full
-        prefill's) folds the layer's hot slots into the cold tier, where every position below the cut is then
-        held once. The turn's compression chooses hot afresh from the union either way. Returns the tokens rewound.
-        """
-        if self.lost is not None or self.spilled is not None:  # folding would read slots the tier no longer holds
-            raise RuntimeError(f"the cold tier does not hold the session ({self.lost or 'spilled to disk'}); "
-                               "re-prefill from the store")
-        reply = self.reply_length(state)
-        self.decode_start = None
-        n = min(max(n, reply), state.next_position)
-        if n == 0:
-            return 0
-        start = state.next_position - n
-        for layer, lay in enumerate(state.cache.layers):
-            if n == reply:
-                lay.truncate(lay.length - n)  # decode appended them last, in every layer
-                state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)
-            else:
-                self._fold(state, layer, start)
-        state.requeue(start)
-        return n
-
-    def _fold(self, state, layer: int, start: int) -> None:
-        """Move the layer's whole history below ``start`` to the cold tier (every head holds all of it) and
-        empty its hot slots; the slots at ``start`` and after are dropped."""
-        lay = state.cache.layers[layer]
-        keys, values = union(lay.keys, lay.values, state.positions[layer], self.layers[layer], self.stats)
-        pin = keys.device.type == "cuda"
-        bsz, heads = keys.shape[:2]
-        positions = torch.arange(start, device=keys.device).expand(bsz, heads, start)  # (B, Hkv, start)
-        self.layers[layer] = ColdLayer(_host(keys[:, :, :start], pin), _host(values[:, :, :start], pin),
-                                       _host(positions, pin)) if start else None
-        lay.truncate(0)
-        state.positions[layer] = state.positions[layer][..., :0]  # (B, Hkv, 0)
-
 
 def _spread(slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``slots`` (B, Hkv, S, D) into ``out`` (B, Hkv, N, D) at their true ``positions`` (B, Hkv, S)."""
@@ -247,73 +192,178 @@ class ColdStream:
         self.cold.stats.peak_cold_layers = max(self.cold.stats.peak_cold_layers, len(self.ready))
 
 
-class _UnionLayer:
-    """A layer of :class:`UnionView`: its keys/values are the whole history, built on first access."""
+class TieredLayer(CompactLayer):
+    """A hot layer whose prefill forwards attend to the layer's whole history: while its cache is
+    :meth:`TieredCache.attending`, :meth:`update` returns the union of the hot slots, the layer's cold part and the
+    new slots (:func:`union`), a transient buffer dropped after the layer runs."""
 
-    def __init__(self, view: UnionView, layer: int) -> None:
-        self.view, self.layer = view, layer
+    whole: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.view.merged(self.layer)[0]  # (B, Hkv, N, D)
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.view.merged(self.layer)[1]  # (B, Hkv, N, D)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)  # (B, Hkv, H + n, D) hot
+        if self.whole is not None:
+            return self.whole(keys, values)  # (B, Hkv, N + n, D)
+        return keys, values
 
 
-class UnionView:
-    """A tiered state seen whole, for the compression: every layer holds every true position 0..N-1 in order.
+class TieredCache(CompactCache):
+    """The hot cache (:class:`TieredLayer` per model layer, on the model's device) and its host tier
+    (:class:`ColdKV`, :attr:`cold`): hot and cold together hold every position of the history exactly once.
 
-    Duck-types what scorers and the shared top-k read of a :class:`~snapkv_sessions.state.KVState` (positions,
-    token ids, pins, keys and values per layer). Only one layer's union is materialized at a time.
+    Every turn: :meth:`begin_turn` feeds the last reply again (and the history a short turn's window reaches back
+    over); each prefill forward runs :meth:`attending`, so every layer attends to its whole history; the
+    compression reads :meth:`history` (the union, one layer at a time) and :meth:`keep` makes the chosen slots hot
+    and the rest cold. :meth:`lease` holds the tier against the pool's cap for the turn.
     """
 
-    def __init__(self, state, cold: ColdKV) -> None:
-        self.state, self.cold = state, cold
-        self.token_ids, self.pinned, self.reports = state.token_ids, state.pinned, state.reports
-        first = state.positions[0]  # (B, Hkv, T)
-        ids = torch.arange(state.next_position, device=first.device)  # (N,)
-        self.positions = [ids.expand(*first.shape[:2], state.next_position)] * len(state.positions)  # (B, Hkv, N)
-        self.cache = self  # scorers read view.cache.layers[l].keys
-        self.layers = [_UnionLayer(self, layer) for layer in range(len(state.positions))]
-        self._memo: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._stream = ColdStream(cold, first.device)
+    layer_class = TieredLayer
+
+    def __init__(self, num_layers: int, cold: ColdKV | None = None) -> None:
+        super().__init__(num_layers)
+        self.cold: ColdKV = cold if cold is not None else ColdKV.empty(num_layers)
+
+    # ------------------------------------------------------------------ the tier's standing
 
     @property
-    def next_position(self) -> int:
-        return self.state.next_position
+    def lost(self) -> str | None:
+        return self.cold.lost
 
-    def cache_lengths(self) -> list[int]:
-        return [self.next_position] * len(self.layers)
+    def refeedable(self, state) -> int:
+        """All of the history: each token's KV is exactly recomputable over the whole of it; none when the policy
+        keeps the reply's decoded KV."""
+        return state.next_position if self.cold.refeed_reply else 0
 
-    def kv_bytes(self) -> int:
-        return self.state.kv_bytes() + self.cold.nbytes
+    def can_clone(self) -> bool:
+        return self.cold.lost is None and self.cold.spilled is None
 
-    def merged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's whole history (B, Hkv, N, D) keys and values; the previous layer's is released."""
-        if self._memo is None or self._memo[0] != layer:
-            self._memo = None  # release the previous layer's buffer before building this one
-            lay = self.state.cache.layers[layer]
-            self._memo = (layer, union(lay.keys, lay.values, self.state.positions[layer], self._stream.take(layer),
-                                       self.cold.stats))
-        return self._memo[1]
+    def clone(self) -> TieredCache:
+        """A copy of the hot slots and a tier of its own sharing the cold layers (:meth:`ColdKV.clone`)."""
+        out = TieredCache(len(self.layers), self.cold.clone())
+        self._copy_into(out)
+        return out
 
-    def keep(self, chosen: dict[int, torch.Tensor]) -> None:
-        """Hot becomes the chosen true positions of each layer (all of them where a layer fits its budget);
-        cold becomes the rest, moved to host memory."""
-        state = self.state
-        for layer in range(len(self.layers)):
-            keys, values = self.merged(layer)  # (B, Hkv, N, D)
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[None]:
+        """The turn's hold on the tier: in use (never evicted by the pool) until the turn ends; then the pool is
+        brought within its cap, the least recently used idle tiers first. A tier lost before the lease raises:
+        a replay cannot follow its record without it (a live turn re-prefills before it asks)."""
+        from .tierpool import POOL
+
+        if self.cold.lost:
+            raise TierLost(self.cold.lost)
+        POOL.touch(self.cold)
+        try:
+            yield
+        finally:
+            POOL.done(self.cold)
+            POOL.enforce()
+
+    def release(self) -> None:
+        from .tierpool import POOL
+
+        POOL.release(self.cold)
+
+    # ------------------------------------------------------------------ a turn
+
+    def begin_turn(self, state, reach: int) -> None:
+        """Fresh stats, what was hot (what "recalled" counts against), then the rewind: the last reply's KV was
+        decoded against the hot cache alone, so it is fed again over the whole history; a turn shorter than its
+        window also feeds again the ``reach`` history tokens its window reaches back over."""
+        cold = self.cold
+        cold.stats = TierStats()
+        cold.hot_at_start = list(state.positions)  # per layer (B, Hkv, T): slots hot before this turn
+        cold.history_at_start = state.next_position
+        self._rewind(state, reach)
+
+    def _rewind(self, state, n: int) -> int:
+        """Send the history's last ``n`` tokens (at least the last reply's) back to ``state.pending``, so the next
+        prefill computes their KV, and their queries' scores, over the whole history.
+
+        The reply alone was appended last by decode in every layer: its slots are cut off the hot cache. Reaching
+        further back folds the layer's hot slots into the cold tier, where every position below the cut is then
+        held once. The turn's compression chooses hot afresh from the union either way. Returns the tokens rewound.
+        """
+        cold = self.cold
+        if cold.lost is not None or cold.spilled is not None:  # folding would read slots the tier no longer holds
+            raise RuntimeError(f"the cold tier does not hold the session ({cold.lost or 'spilled to disk'}); "
+                               "re-prefill from the store")
+        reply = 0 if cold.decode_start is None or not cold.refeed_reply else max(0, state.next_position
+                                                                                   - cold.decode_start)
+        cold.decode_start = None
+        n = min(max(n, reply), state.next_position)
+        if n == 0:
+            return 0
+        start = state.next_position - n
+        for layer, lay in enumerate(self.layers):
+            if n == reply:
+                lay.truncate(lay.length - n)  # decode appended them last, in every layer
+                state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)
+            else:
+                self._fold(state, layer, start)
+        state.requeue(start)
+        return n
+
+    def _fold(self, state, layer: int, start: int) -> None:
+        """Move the layer's whole history below ``start`` to the cold tier (every head holds all of it) and
+        empty its hot slots; the slots at ``start`` and after are dropped."""
+        lay = self.layers[layer]
+        keys, values = union(lay.keys, lay.values, state.positions[layer], self.cold.layers[layer], self.cold.stats)
+        pin = keys.device.type == "cuda"
+        bsz, heads = keys.shape[:2]
+        positions = torch.arange(start, device=keys.device).expand(bsz, heads, start)  # (B, Hkv, start)
+        self.cold.layers[layer] = ColdLayer(_host(keys[:, :, :start], pin), _host(values[:, :, :start], pin),
+                                            _host(positions, pin)) if start else None
+        lay.truncate(0)
+        state.positions[layer] = state.positions[layer][..., :0]  # (B, Hkv, 0)
+
+    @contextlib.contextmanager
+    def attending(self, state) -> Iterator[None]:
+        """For one prefill forward: each layer attends to its hot and cold slots together (:func:`union`), built
+        when the layer runs and dropped after it; the next layer's cold part is brought over meanwhile."""
+        cold = self.cold
+        if all(lay is None for lay in cold.layers):
+            yield
+            return
+        stream = ColdStream(cold, state.positions[0].device)
+        for layer, lay in enumerate(self.layers):
+            if cold.layers[layer] is not None:
+                lay.whole = functools.partial(_attend, positions=state.positions[layer], stream=stream, layer=layer,
+                                              history=state.next_position)
+        try:
+            yield
+        finally:
+            for lay in self.layers:
+                lay.whole = None
+
+    def prefill_done(self, state) -> None:
+        self.cold.decode_start = state.next_position  # the reply decode writes from here is fed again next turn
+
+    def history(self, state) -> History:
+        """The whole history, every true position 0..N-1 in order in every layer; one layer's union at a time."""
+        first = state.positions[0]  # (B, Hkv, T)
+        ids = torch.arange(state.next_position, device=first.device)  # (N,)
+        positions = [ids.expand(*first.shape[:2], state.next_position)] * len(state.positions)  # (B, Hkv, N) each
+        return History(positions, state.token_ids, state.pinned, state.next_position, _Merged(self, state),
+                       state.kv_bytes() + self.cold.nbytes)
+
+    def keep(self, state, chosen: dict[int, torch.Tensor]) -> bool:
+        """Hot becomes the chosen true positions of each layer (all of them where a layer fits its budget); cold
+        becomes the rest, moved to host memory. Returns whether anything changed."""
+        if not chosen and not self.cold.nbytes:
+            return False  # nothing evicted and nothing cold: the hot cache already holds every position in order
+        merged = _Merged(self, state)
+        for layer, lay in enumerate(self.layers):
+            keys, values = merged(layer)  # (B, Hkv, N, D)
             idx = chosen.get(layer)
-            if idx is None:
-                idx = self.positions[layer]  # the layer fits: every position back to hot
+            if idx is None:  # the layer fits: every position back to hot
+                idx = torch.arange(keys.shape[2], device=keys.device).expand(*keys.shape[:2], -1)  # (B, Hkv, N)
             self.cold.stats.recalled += self._recalled(layer, idx, keys.shape[:3])
             rows = idx[..., None].expand(-1, -1, -1, keys.shape[-1])  # (B, Hkv, K, D)
-            state.cache.layers[layer].replace(keys.gather(2, rows), values.gather(2, rows))
+            lay.replace(keys.gather(2, rows), values.gather(2, rows))
             state.positions[layer] = idx
             self.cold.layers[layer] = _evicted(keys, values, idx)
-        self._memo = None
+        merged.release()
+        return True
 
     def _recalled(self, layer: int, chosen: torch.Tensor, shape: torch.Size) -> int:
         """Slots of ``chosen`` that came back from cold: held before the turn, and not hot then."""
@@ -321,6 +371,35 @@ class UnionView:
         if layer >= len(before):  # the first turn: nothing was held
             return 0
         return _recalled_count(before[layer], self.cold.history_at_start, chosen, shape)
+
+    def tier_report(self, state) -> dict:
+        return {**self.cold.stats.to_dict(), "hot_bytes": state.kv_bytes(), "cold_bytes": self.cold.nbytes}
+
+
+class TierLost(RuntimeError):
+    """The tier no longer holds the session (its reason is the message): re-prefill from the store."""
+
+
+class _Merged:
+    """``merged(layer)``: the layer's whole history (B, Hkv, N, D) keys and values in true-position order; only
+    one layer's union is held at a time (the previous one is released first), with the next layer's cold part
+    prefetched (:class:`ColdStream`)."""
+
+    def __init__(self, cache: TieredCache, state) -> None:
+        self.cache, self.state = cache, state
+        self._memo: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._stream = ColdStream(cache.cold, state.positions[0].device)
+
+    def __call__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._memo is None or self._memo[0] != layer:
+            self._memo = None  # release the previous layer's buffer before building this one
+            lay = self.cache.layers[layer]
+            self._memo = (layer, union(lay.keys, lay.values, self.state.positions[layer], self._stream.take(layer),
+                                       self.cache.cold.stats))
+        return self._memo[1]
+
+    def release(self) -> None:
+        self._memo = None
 
 
 def _recalled_count(hot_before: torch.Tensor, history: int, chosen: torch.Tensor, shape: torch.Size) -> int:
@@ -352,27 +431,6 @@ def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     if t.device.type == "cpu":
         return t.contiguous()
     return t.to("cpu", non_blocking=False).pin_memory() if pin else t.cpu()
-
-
-@contextlib.contextmanager
-def whole_history(state) -> Iterator[None]:
-    """For one prefill forward of a tiered state: each layer attends to its hot and cold slots together
-    (:func:`union`), built when the layer runs and dropped after it."""
-    cold = state.cold
-    if cold is None or all(lay is None for lay in cold.layers):
-        yield
-        return
-    layers = state.cache.layers
-    stream = ColdStream(cold, state.positions[0].device)
-    for layer, lay in enumerate(layers):
-        if cold.layers[layer] is not None:
-            lay.attend_to = functools.partial(_attend, positions=state.positions[layer], stream=stream, layer=layer,
-                                              history=state.next_position)
-    try:
-        yield
-    finally:
-        for lay in layers:
-            lay.attend_to = None
 
 
 def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, stream: ColdStream, layer: int,

@@ -158,6 +158,7 @@ def capture(model, tokenizer) -> dict:
             out["alone"][name] = {"turns": got["turns"], **_audit(store, got["id"], runner)}
         batched_runner = ModelRunner(model, tokenizer)
         scheduler = Scheduler(batched_runner, slots=4)
+        batched_runner = scheduler.runner  # the sessions run on the scheduler's view of the model
         shared = SessionStore(f"sqlite:///{tmp}/together.db")
         try:
             together = run_in_threads(lambda name: _one_session(batched_runner, name, shared), BATCHED, 600)

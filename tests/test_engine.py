@@ -9,6 +9,7 @@ from reference import full_logits_masked, reference_selection, snapshot, visibil
 
 from snapkv_sessions import CompressionConfig, GenerationConfig, ModelRunner
 from snapkv_sessions.press import layer_budgets
+from snapkv_sessions.scorers import word_ids
 
 
 def prompt(n: int, seed: int = 1, vocab: int = 96) -> list[int]:
@@ -262,7 +263,7 @@ def test_span_aware_keeps_whole_words(smollm2):
             state = runner.new_state()
             _, probe = runner.prefill(state, ids, window=16)
             runner.compress(state, CompressionConfig.make(budget=96, window=16, span_aware=span_aware), probe)
-            words = runner._word_ids(state)
+            words = word_ids(tok, state.token_ids, runner.device)
             cut = 0
             for pos in state.positions:
                 for head in pos[0]:

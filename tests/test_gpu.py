@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import build_tiny
 
+from snapkv_sessions import compress as compress_module
 from snapkv_sessions.config import CompressionConfig
 from snapkv_sessions.gpu import triton_available
 from snapkv_sessions.press import select_positions, spread_over_words
@@ -84,15 +85,15 @@ def test_selection_path_never_reads_the_device(monkeypatch, method, span):
     state = runner.new_state()
     ids = list(range(3, 83))
     logits, probe = runner.prefill(state, ids, pinned=[i < 5 for i in range(len(ids))], window=8)
-    original = ModelRunner._select
+    original = compress_module._select
 
-    def guarded(self, *args, **kwargs):
+    def guarded(*args, **kwargs):
         with monkeypatch.context() as m:
             for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
                 m.setattr(torch.Tensor, name, _forbid)
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(ModelRunner, "_select", guarded)
+    monkeypatch.setattr(compress_module, "_select", guarded)
     cfg = CompressionConfig.make(budget=32, window=8, method=method, span_aware=span, sinks=4)
     report = runner.compress(state, cfg, probe)
     assert report.tokens_after == [32] * 3

@@ -57,11 +57,12 @@ def test_sessions_decoded_together_equal_each_alone(kind, tiered, slots, packed)
     alone = [_converse(ModelRunner(model), case, i, tiered) for i, case in enumerate(ENGINE_CASES)]
     runner = ModelRunner(model)
     scheduler = Scheduler(runner, slots=slots)
+    runner = scheduler.runner  # its sessions run on the scheduler's view of the model
     try:
         together = _together(runner, ENGINE_CASES, tiered)
     finally:
         scheduler.close()
-    assert runner.scheduler is None
+    Scheduler(scheduler.model_runner, slots=1).close()  # closed, it lets the model's runner go
     for (replies_a, state_a), (replies_b, state_b) in zip(alone, together, strict=True):
         assert replies_a == replies_b  # token for token, every turn
         assert state_a.token_ids == state_b.token_ids and state_a.pending == state_b.pending
@@ -79,6 +80,7 @@ def test_a_reader_that_leaves_frees_its_slot_and_the_others_go_on():
     gen = GenerationConfig(max_new_tokens=40, eos_token_ids=())
     reference = ModelRunner(model).turn(runner.new_state(), list(range(5, 30)), None, gen).tokens
     scheduler = Scheduler(runner, slots=2)
+    runner = scheduler.runner  # its sessions run on the scheduler's view of the model
     try:
         state = runner.new_state()
         run = runner.run(state, _plan(state, list(range(5, 30))), None, gen)
@@ -102,6 +104,7 @@ def test_a_failing_step_reaches_every_reader_and_the_scheduler_goes_on():
     model = build_tiny("llama", layers=2)
     runner = ModelRunner(model)
     scheduler = Scheduler(runner, slots=4)
+    runner = scheduler.runner  # its sessions run on the scheduler's view of the model
     gen = GenerationConfig(max_new_tokens=5, eos_token_ids=())
     try:
         real = scheduler.pool.step
@@ -120,6 +123,8 @@ def test_one_scheduler_per_runner_and_a_closed_one_refuses_work():
     scheduler = Scheduler(runner, slots=1)
     with pytest.raises(ValueError, match="already has a scheduler"):
         Scheduler(runner)
+    with pytest.raises(ValueError, match="already has a scheduler"):
+        Scheduler(scheduler.runner)  # nor does the view its sessions run on
     scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.call(lambda: 1)
@@ -178,6 +183,7 @@ def test_sessions_with_different_policies_and_sampling_decoded_together(smollm2,
 
     runner = ModelRunner(model, tokenizer)
     scheduler = Scheduler(runner, slots=4)
+    runner = scheduler.runner  # its sessions run on the scheduler's view of the model
     shared = SessionStore(f"sqlite:///{tmp_path}/together.db")
     try:
         together = run_in_threads(lambda name: _session_replies(smollm2, runner, name, shared), POLICIES, 300)
@@ -209,6 +215,7 @@ def _failing_among_others(monkeypatch, where: str) -> None:
              for i, (lengths, gen) in enumerate(CONFINED_CASES)]
     runner = ModelRunner(model)
     scheduler = Scheduler(runner, slots=4)
+    runner = scheduler.runner  # its sessions run on the scheduler's view of the model
     in_pool_at_fault: list[int] = []
     if where == "accept":
         accept = Decoder.accept
@@ -275,6 +282,7 @@ def test_a_tiny_temperature_among_others_decodes_greedily_and_fails_no_one():
     assert alone[0] == ModelRunner(model).turn(ModelRunner(model).new_state(), cases[0][0], None, greedy).tokens
     runner = ModelRunner(model)
     scheduler = Scheduler(runner, slots=3)
+    runner = scheduler.runner  # its sessions run on the scheduler's view of the model
     try:
         got = run_in_threads(lambda i: runner.turn(runner.new_state(), cases[i][0], None, cases[i][1]).tokens,
                              range(len(cases)), 120)

@@ -23,6 +23,7 @@ from snapkv_sessions.scorers import (
     StreamingLLM,
     register_scorer,
     select_layer,
+    word_ids,
 )
 from snapkv_sessions.state import KVState
 
@@ -38,7 +39,7 @@ class KeyNorm:
 
     def score(self, window_probs: torch.Tensor, state: KVState, layer: int) -> torch.Tensor:
         self.calls += 1
-        keys = state.cache.layers[layer].keys  # (B, Hkv, T, D)
+        keys = state.keys(layer)  # (B, Hkv, T, D)
         return keys.float().norm(dim=-1)[..., : keys.shape[-2] - self.window]  # (B, Hkv, T - W)
 
 
@@ -225,7 +226,7 @@ def test_span_aware_snapkv_equals_the_pre_seam_selection():
         expected.append(pos.gather(-1, select_positions(scores, 32, 8, state.pinned[hist], False, layer)))
     runner.compress(state, cfg, probe)
     assert all(torch.equal(a, b) for a, b in zip(state.positions, expected, strict=True))
-    assert torch.equal(runner._word_ids(state), words)
+    assert torch.equal(word_ids(runner.tokenizer, state.token_ids, runner.device), words)
 
 
 def test_span_aware_wraps_any_scorer():

@@ -40,7 +40,6 @@ from ..policy import Policy
 from ..session import Reply, Session, Snapshot
 from ..store import SessionStore, StoreError, StoreUnavailable
 from ..store.hashing import GENESIS, message_hash
-from ..tierpool import POOL
 from . import protocol
 from .worker import Job
 
@@ -58,8 +57,8 @@ def _utc(moment: datetime) -> datetime:
 
 def _release(session: Session) -> None:
     """Give a session's cold tier back to the pool (and remove its spill file) when the server lets it go."""
-    if session.state is not None and session.state.cold is not None:
-        POOL.release(session.state.cold)
+    if session.state is not None:
+        session.state.cache.release()
 
 
 @dataclass(frozen=True)
@@ -264,6 +263,7 @@ class Service(Router):
             # a long prefill runs in chunks between decode steps: this bounds how long it holds the others
             self.runner.prefill_chunk = min(self.runner.prefill_chunk, BATCH_PREFILL_CHUNK)
             self.scheduler = Scheduler(self.runner, slots=capacity.batch)
+            self.runner = self.scheduler.runner  # sessions run on the scheduler's view of the model
 
     @property
     def threads(self) -> int:
