@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from . import attention, interrupts
+from . import attention, interrupts, stats
 from .attention import WindowProbe
 from .cache import CompactCache, PlainDynamicCache
 from .compress import Layout, Selection, compress, protect_mask
@@ -80,7 +80,10 @@ class Inline:
                 yield tok
             if decoder.done:
                 break
+            t0 = time.perf_counter()
             logits = self.runner.step(state, tok)
+            if stats.active():  # the step read every hot slot of every layer
+                stats.emit(stats.DecodeStepStat(1, 1, time.perf_counter() - t0, state.kv_bytes()))
         state.pending, state.last_stop_reason = [decoder.last], decoder.reason
 
 
@@ -95,6 +98,7 @@ class TurnResult:
     decode_ms: float
     prompt_tokens: int
     prefill_end: int = 0  # true positions in the cache after the prefill: the turn's context
+    prefilled: int = 0  # tokens run through the model by the prefill: the plan's, plus any fed again
     protect_applied: bool | None = None  # None: no compression ran; else whether the plan's protect fit
     kept: list[torch.Tensor] | None = None  # positions[l] (B, Hkv, K) right after the compression, if it ran
 
@@ -341,9 +345,11 @@ class ModelRunner:
         # a turn shorter than its window reaches back over the history (a tier feeds it again, with the last reply)
         reach = plan.window - len(state.pending) - len(plan.tokens) if plan.window and compression else 0
         state.cache.begin_turn(state, reach)
+        prefilled = len(state.pending) + len(plan.tokens)
         logits, probe = self.prefill(state, plan.tokens, pinned=plan.pinned_flags(), window=plan.window)
         result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=(time.perf_counter() - t0) * 1e3,
-                            decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position)
+                            decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position,
+                            prefilled=prefilled)
         if probe is not None:
             protect = protect_mask(state, plan.protect, compression, self.num_layers, probe.window)
             result.report = self.compress(state, compression, probe, protect)

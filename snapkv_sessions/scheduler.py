@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import stats
 from .batch import Slot, SlotPool
 from .generation import Decoder
 from .runner import Inline
@@ -161,6 +162,7 @@ class Scheduler:
                     self._active.extend(self._joining)
                     self._joining.clear()
                     call = self._calls.popleft() if self._calls else None
+                t0 = time.perf_counter()
                 try:
                     self._sample()
                     self._step()
@@ -168,6 +170,10 @@ class Scheduler:
                     self._fail_all(exc)
                 if call is not None:
                     self._run_call(*call)
+                if stats.active():
+                    running = sum(item.slot is not None for item in self._active)
+                    stats.emit(stats.SchedulerStepStat(running, len(self._active) - running, int(call is not None),
+                                                       time.perf_counter() - t0))
 
     def _run_call(self, fn: Callable[[], object], future: Future) -> None:
         self.stats.calls += 1
@@ -214,7 +220,13 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         logits = self.pool.step(self.model_runner, [item.decoder.last for item in ready])  # (n, V)
-        self.stats.step_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.step_s += seconds
+        if stats.active():
+            keys = self.pool.keys[0]  # (S, Hkv, T_cap, D): every layer's slot holds as many bytes per token
+            per_token = 2 * keys.shape[1] * keys.shape[-1] * keys.element_size()
+            read = sum(sum(item.slot.lengths) for item in ready) * per_token
+            stats.emit(stats.DecodeStepStat(len(ready), len(ready), seconds, read))
         self.stats.steps += 1
         self.stats.rows += len(ready)
         self.stats.largest = max(self.stats.largest, len(ready))

@@ -30,7 +30,7 @@ from .state import KVState
 from .store import NewMessage, SessionStore, StoreError
 from .tierpool import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
-from .turn import Reply, TurnOutcome
+from .turn import Reply, TurnOutcome, emit_turn
 
 
 class SessionOptions(TypedDict, total=False):
@@ -454,6 +454,9 @@ class Session:
         if msg["seq"] != assistant_seq:
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
+        lost = next((payload["reason"] for kind, payload in out.events if kind == "tier_lost"), None)
+        reason = (f"tier lost: {lost}" if lost else "drift") if out.decision == "reprefill" else None
+        emit_turn(self.id, turn, self.model_id, out.decision, reason, plan, result, state, replay=False)
         self.last_reply = Reply(
             text=text.text, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
             completion_tokens=len(result.tokens), context_tokens=state.next_position + len(pending),
@@ -513,9 +516,11 @@ class Session:
         plan = TurnPlan.from_record(rec["segments"], rec["prefill_tokens"])
         reply = rec["decode_tokens"] + rec["pending_tokens"]
         try:
-            self._execute(plan, self.messages(up_to_seq=rec["user_seq"]), rec["user_seq"], forced=reply).finish()
+            result = self._execute(plan, self.messages(up_to_seq=rec["user_seq"]), rec["user_seq"], forced=reply).finish()
         finally:
             self._tier_done()
+        emit_turn(self.id, rec["turn"], self.model_id, rec["drift_decision"] or "kept",
+                  "as recorded" if plan.reprefill else None, plan, result, self.state, replay=True)
         self.transcript.extend_reply(rec["user_seq"] + 1, reply)
         self.turns_applied = rec["turn"]
 

@@ -12,6 +12,7 @@ import weakref
 from collections import OrderedDict
 from pathlib import Path
 
+from . import stats
 from .errors import ConfigError
 from .tier import ColdKV, ColdLayer
 
@@ -73,6 +74,7 @@ class TierPool:
             self._busy[cold.key] = self._busy.get(cold.key, 0) + 1
         if cold.spilled is not None:
             _unspill(cold)
+            _event("restored", cold, None)
 
     def done(self, cold: ColdKV) -> None:
         """The turn on ``cold`` ended (however it ended): it may be evicted again."""
@@ -103,16 +105,31 @@ class TierPool:
                 cold = self._tiers.pop(idle.pop(0))()
                 if cold is None:
                     continue
+                held = (cold.nbytes, _slots(cold))
                 reason = f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)"
                 if self.spill_dir is not None:
                     try:
                         _spill(cold, self.spill_dir)
+                        _event("spilled", cold, reason, held)
                     except (OSError, RuntimeError) as exc:  # a full or unwritable disk: drop it instead
                         cold.drop(f"{reason}; its spill failed ({type(exc).__name__}: {str(exc)[:200]})")
+                        _event("lost", cold, cold.lost, held)
                 else:
                     cold.drop(reason)
+                    _event("lost", cold, reason, held)
                 evicted.append(cold)
         return evicted
+
+
+def _slots(cold: ColdKV) -> int:
+    return sum(lay.positions.numel() for lay in cold.layers if lay is not None)
+
+
+def _event(kind: str, cold: ColdKV, reason: str | None, held: tuple[int, int] | None = None) -> None:
+    """A pool event on ``cold`` to the stats stream (a pool-wide event: the pool does not know the session)."""
+    if stats.active():
+        nbytes, slots = held if held is not None else (cold.nbytes, _slots(cold))
+        stats.emit(stats.TierEvent(kind, None, nbytes, slots, reason))
 
 
 def _spill(cold: ColdKV, folder: Path) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import stats
 from .drift import Assessment
 from .report import CompressionReport
 from .runner import TurnResult
@@ -66,3 +67,25 @@ class TurnOutcome:
             return list(self.events)
         return [*self.events, ("compression", {k: v for k, v in report.to_dict().items()
                                                if k not in ("kept", "kept_new")})]
+
+
+def emit_turn(session_id: str, turn: int, model: str, decision: str, reason: str | None, plan: TurnPlan,
+              result: TurnResult, state, replay: bool) -> None:
+    """A finished turn to the stats stream (:mod:`snapkv_sessions.stats`): its :class:`~stats.TurnStat`, its
+    compression's and the tier's streamed and recalled slots; nothing is built when no sink listens."""
+    if not stats.active():
+        return
+    report = result.report
+    tier = (report.tier if report is not None else None) or {}
+    hot = tier.get("hot_bytes", report.kv_bytes_after if report is not None else state.kv_bytes())
+    stats.emit(stats.TurnStat(
+        session_id, turn, model, decision, reason, len(plan.tokens), result.prefilled, len(result.tokens),
+        result.prefill_end, tuple(report.tokens_after if report is not None else state.cache_lengths()),
+        result.prefill_ms / 1e3, result.decode_ms / 1e3, report.total_ms / 1e3 if report is not None else 0.0,
+        int(tier.get("recalled", 0)), int(hot), int(tier.get("cold_bytes", 0)), replay))
+    if report is not None:
+        stats.emit(stats.CompressionStat.from_report(report))
+    if tier.get("streamed_bytes"):
+        stats.emit(stats.TierEvent("streamed", session_id, int(tier["streamed_bytes"]), 0, None))
+    if tier.get("recalled"):
+        stats.emit(stats.TierEvent("recalled", session_id, 0, int(tier["recalled"]), None))

@@ -20,11 +20,19 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
+from .. import stats
 from ..errors import SnapKVError
 
 
 class LockTimeout(SnapKVError, TimeoutError):
     """The session's lock was not acquired in time."""
+
+
+def _timeout(session_id: str, timeout: float, where: str) -> LockTimeout:
+    """The error for a lock not acquired in time, counted as a ``lock_timeout`` fault (:mod:`snapkv_sessions.stats`)."""
+    stats.fault("lock_timeout", session_id, f"{where} lock not acquired within {timeout:.0f} s")
+    what = "Redis lock" if where == "Redis" else "lock"
+    return LockTimeout(f"session_id={session_id!r}: {what} not acquired within {timeout:.0f} s")
 
 
 REDIS_TTL_S = 15.0
@@ -98,7 +106,7 @@ def _flock_current(path: Path, deadline: float, session_id: str, timeout: float)
                     break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise LockTimeout(f"session_id={session_id!r}: lock not acquired within {timeout:.0f} s") from None
+                        raise _timeout(session_id, timeout, "file") from None
                     time.sleep(0.05)
             if _same_file(fh, path):
                 return fh
@@ -156,7 +164,7 @@ def sql_lock(engine: Engine, session_id: str, timeout: float) -> Iterator[None]:
             deadline = time.monotonic() + timeout
             while not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": _key64(session_id)}).scalar():
                 if time.monotonic() > deadline:
-                    raise LockTimeout(f"session_id={session_id!r}: lock not acquired within {timeout:.0f} s")
+                    raise _timeout(session_id, timeout, "database")
                 time.sleep(0.05)
             # the advisory lock belongs to the connection, not the transaction: end the transaction, so the held
             # connection is not "idle in transaction" for a whole turn (idle_in_transaction_session_timeout)
@@ -192,7 +200,7 @@ def sql_lock(engine: Engine, session_id: str, timeout: float) -> Iterator[None]:
     with _thread_guard:
         lock = _thread_locks.setdefault(f"{engine.url}:{session_id}", threading.Lock())
     if not lock.acquire(timeout=timeout):
-        raise LockTimeout(f"session_id={session_id!r}: lock not acquired within {timeout:.0f} s")
+        raise _timeout(session_id, timeout, "file")
     try:
         yield
     finally:
@@ -219,7 +227,7 @@ def redis_lock(client, session_id: str, timeout: float) -> Iterator[bool]:
         yield False
         return
     if not acquired:
-        raise LockTimeout(f"session_id={session_id!r}: Redis lock not acquired within {timeout:.0f} s")
+        raise _timeout(session_id, timeout, "Redis")
     stop = threading.Event()
 
     def renew() -> None:

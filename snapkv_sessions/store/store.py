@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from .. import stats
 from ..errors import ConfigError, SnapKVError, bounded_repr
 from . import schema
 from .hashing import GENESIS, message_hash, row_seal
@@ -283,6 +284,7 @@ class SessionStore:
             why = f"no connection free within {self.pool_timeout_s:g} s (a pool of {self.pool_size} is in use)"
         else:
             why = f"the database cannot be reached ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]})"
+        stats.fault("store_unavailable", None, why)
         return StoreUnavailable(f"store={_shown(self.url)!r}: {why}; retry in {self.retry_after} s",
                                 self.retry_after)
 
