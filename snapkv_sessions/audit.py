@@ -76,7 +76,7 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
     messages = [{"seq": seq, "role": roles.get(seq, "assistant"), "start": a, "end": b} for seq, a, b in owners]
     out = {"turn": turn, "status": rec["status"], "drift_score": rec["drift_score"],
            "drift_decision": rec["drift_decision"], "messages": messages, "layers": [],
-           "events": [e for e in store.events(session_id) if e["turn"] == turn]}
+           "events": [e.to_dict() for e in store.events(session_id) if e.turn == turn]}
     if rec["kept_positions"] is None:
         return out
     before = _previous_kept(store, session_id, rec)

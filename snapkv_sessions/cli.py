@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 
 import click
 
@@ -398,7 +399,7 @@ def _store(db: str | None):
 def _jsonable(obj):
     import datetime
 
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):  # plain dicts and the store's records
         return {k: _jsonable(v) for k, v in obj.items() if not isinstance(v, (bytes, bytearray))}
     if isinstance(obj, list):
         return [_jsonable(v) for v in obj]

@@ -19,7 +19,7 @@ from .attention import WindowProbe
 from .cache import History
 from .config import CompressionConfig
 from .errors import ConfigError
-from .press import layer_budgets
+from .press import history_room, layer_budgets
 from .report import CompressionReport
 from .scorers import KeepRule, ScoreContext, Scorer, build_scorer, select_layer
 from .state import KVState
@@ -158,7 +158,6 @@ def protect_mask(state: KVState, protect: tuple[tuple[int, int], ...], cfg: Comp
     mask = torch.zeros(state.next_position, dtype=torch.bool)  # (N,)
     for start, end in protect:
         mask[start:end] = True
-    budgets = layer_budgets(cfg, num_layers, state.next_position)
-    if int((mask | state.pinned.cpu()).sum()) > min(budgets) - window:
+    if int((mask | state.pinned.cpu()).sum()) > history_room(cfg, num_layers, state.next_position, window):
         return None
     return mask

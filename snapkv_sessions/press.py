@@ -187,3 +187,9 @@ def layer_budgets(cfg: CompressionConfig, num_layers: int, context_tokens: int) 
     order = torch.argsort(raw - sizes, descending=True)  # largest remainders first
     sizes[order[:short]] += 1
     return [max(1, int(s)) + cfg.window for s in sizes]
+
+
+def history_room(cfg: CompressionConfig, num_layers: int, context_tokens: int, window: int | None = None) -> int:
+    """History slots the tightest layer keeps for a context of ``context_tokens`` beside its observation window
+    (``cfg.window``, or the shorter ``window`` a short turn observes): what pins and a protected question must fit."""
+    return min(layer_budgets(cfg, num_layers, context_tokens)) - (cfg.window if window is None else window)

@@ -12,25 +12,25 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
+from . import forks
 from .admission import Admission, AdmissionError
 from .chat import Message, MessagePins
 from .drift import Assessment, DriftMonitor, decide
 from .errors import ConfigError
-from .generation import GenerationConfig, TextStream, cut_at_stop
+from .forks import Snapshot
+from .generation import GenerationConfig, TextStream
 from .models import runner_for
 from .policy import Policy
-from .press import layer_budgets
+from .press import history_room
 from .runner import ModelRunner, TurnRun
-from .state import KVState
 from .store import NewMessage, SessionStore, StoreError
+from .store.records import TurnRecord
 from .tierpool import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
-from .turn import Reply, TurnOutcome, emit_turn
+from .turn import Reply, TurnOutcome, close_failed, emit_turn, stored_reply
 
 
 class SessionOptions(TypedDict, total=False):
@@ -50,22 +50,6 @@ class SessionOptions(TypedDict, total=False):
     thread_id: str | None
     owner: str | None
     session_id: str | None
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A session's model-side state at a turn boundary, held in memory (:meth:`Session.snapshot`): the cache (hot
-    copied, cold shared), the transcript and the drift working set, and the store rows they stand for (messages up
-    to ``up_to_seq``, turns up to ``up_to_turn``). Forks start from it (:meth:`Session.fork_from`)."""
-
-    source_id: str
-    owner: str | None
-    up_to_seq: int
-    up_to_turn: int
-    turns_applied: int
-    state: KVState
-    transcript: Transcript
-    drift: DriftMonitor
 
 
 class Session:
@@ -88,14 +72,18 @@ class Session:
                                    getattr(runner.model.config, "max_position_embeddings", None),
                                    self.transcript.formatter)
         self.counter = self.admission.counter
-        self.drift = DriftMonitor(policy.drift.embedder, runner.model, self.tokenizer,
-                                  subjects=policy.drift.new_subject, follow_ups=bool(policy.drift.follow_ups))
+        self.drift = self.new_drift_monitor()
         self.recovered: Reply | None = None
         self._lease = contextlib.ExitStack()  # the memory's hold for the turn in hand (HotOnly.lease)
         if policy.tiered:
             POOL.configure(policy.memory.max_bytes, policy.memory.spill_dir)
         self.state = None
         self._reset()
+
+    def new_drift_monitor(self) -> DriftMonitor:
+        drift = self.policy.drift
+        return DriftMonitor(drift.embedder, self.runner.model, self.tokenizer, subjects=drift.new_subject,
+                            follow_ups=bool(drift.follow_ups))
 
     @classmethod
     def create(cls, model, policy: str | dict | Policy | None = None, store: SessionStore | str | None = None,
@@ -131,63 +119,27 @@ class Session:
 
     def fork(self, turn: int | None = None, *, title: str | None = None) -> Session:
         """A new session holding this one's conversation up to and including the reply of ``turn`` (default: the
-        last done turn), with the same model, policy and owner. This session is not changed. The fork's first turn
-        prefills its whole history from the store, which is exact; after that the two go their own ways."""
-        done = {row["turn"]: row for row in self.store.turns(self.id, status="done")}
-        if turn is None and not done:
-            raise ConfigError("turn", turn, f"session {self.id} has no done turn to fork at")
-        turn = max(done) if turn is None else turn
-        if isinstance(turn, bool) or not isinstance(turn, int) or turn not in done:
-            raise ConfigError("turn", turn, f"must be a done turn of session {self.id} ({sorted(done)})")
-        upto = done[turn]["assistant_seq"]
-        history = [Message(role=m.role, content=m.content, name=m.name, pinned=m.pinned)
-                   for m in self.messages(up_to_seq=upto)]
-        row = self.store.get_session(self.id)
-        return Session.create_on(self.runner, self.model_id, self.policy, self.store,
-                               {"history": history, "title": title or f"fork of {self.id} at turn {turn}",
-                                "owner": row.get("owner")})
+        last done turn); this session is not changed (:func:`snapkv_sessions.forks.fork_at`)."""
+        return forks.fork_at(self, turn, title)
 
     def snapshot(self) -> Snapshot | None:
-        """This session's state at the turn boundary it holds, for forks to start from without a prefill; None
-        when the cache does not hold the store's last turn exactly (a turn pending or not yet applied here, a tier
-        evicted or spilled, a cache kind that does not clone)."""
-        row = self.store.get_session(self.id)  # one row and two filtered reads: cheap enough for every turn
-        if (row["turns_done"] != self.turns_applied or not self.turns_applied or not self.state.cache.can_clone()
-                or self.store.pending_turn(self.id) is not None):
-            return None
-        abandoned = [t["turn"] for t in self.store.turns(self.id, status="abandoned")]
-        transcript = Transcript(self.tokenizer, self.policy.pins)
-        transcript.copy_from(self.transcript)
-        drift = DriftMonitor(self.policy.drift.embedder, self.runner.model, self.tokenizer,
-                             subjects=self.policy.drift.new_subject, follow_ups=bool(self.policy.drift.follow_ups))
-        drift.copy_from(self.drift)
-        return Snapshot(self.id, row.get("owner"), row["message_count"], max([self.turns_applied, *abandoned]),
-                        self.turns_applied, self.state.clone(), transcript, drift)
+        """This session's state at the turn boundary it holds, for forks to start from without a prefill
+        (:func:`snapkv_sessions.forks.snapshot`); None when the cache does not hold the store's last turn exactly."""
+        return forks.snapshot(self)
 
     def fork_from(self, snapshot: Snapshot, *, title: str | None = None) -> Session:
         """A new session holding this one's rows up to ``snapshot``'s boundary and starting from a copy of its
         cache (:meth:`from_snapshot`); this session is not changed."""
         if snapshot.source_id != self.id:
             raise ConfigError("snapshot", snapshot.source_id, f"is not a snapshot of session {self.id}")
-        return Session.from_snapshot(snapshot, self.runner, self.model_id, self.policy, self.store, title=title)
+        return forks.from_snapshot(snapshot, self.runner, self.model_id, self.policy, self.store, title=title)
 
     @classmethod
     def from_snapshot(cls, snapshot: Snapshot, runner: ModelRunner, model_id: str, policy: Policy,
                       store: SessionStore, *, session_id: str | None = None, title: str | None = None) -> Session:
-        """A fork at ``snapshot``'s boundary: the source's rows up to it (messages and turn records, copied in one
-        transaction: :meth:`SessionStore.fork_session`) and a copy of the snapshot's cache, so its next turn
-        prefills only what is new. Replaying the fork runs the same turn records, so a reopened fork holds exactly
-        this cache (``tests/test_session.py``). The source's owner; ``session_id``: the id to give it."""
-        sid = store.fork_session(snapshot.source_id, snapshot.up_to_seq, snapshot.up_to_turn, owner=snapshot.owner,
-                                 session_id=session_id,
-                                 title=title or f"fork of {snapshot.source_id} at turn {snapshot.turns_applied}")
-        fork = cls(sid, store, runner, policy, model_id)
-        fork.state.cache.release()  # the empty cache of a new session, replaced by the snapshot's
-        fork.state = snapshot.state.clone()
-        fork.transcript.copy_from(snapshot.transcript)
-        fork.drift.copy_from(snapshot.drift)
-        fork.turns_applied = snapshot.turns_applied
-        return fork
+        """A fork at ``snapshot``'s boundary (:func:`snapkv_sessions.forks.from_snapshot`): its next turn prefills
+        only what is new, and replaying it runs the same turn records."""
+        return forks.from_snapshot(snapshot, runner, model_id, policy, store, session_id=session_id, title=title)
 
     @classmethod
     def open(cls, session_id: str, model=None, store: SessionStore | str | None = None,
@@ -199,12 +151,12 @@ class Session:
         """
         store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
         row = store.get_session(session_id)
-        runner, model_id = runner_for(model if model is not None else row["model_id"])
-        bound = (row["meta"] or {}).get("model_fingerprint")
+        runner, model_id = runner_for(model if model is not None else row.model_id)
+        bound = (row.meta or {}).get("model_fingerprint")
         if bound is not None and bound != runner.fingerprint:  # sessions from before fingerprints are not checked
-            raise ConfigError("model", model_id, f"session {session_id} is bound to model {row['model_id']!r} "
+            raise ConfigError("model", model_id, f"session {session_id} is bound to model {row.model_id!r} "
                               f"(fingerprint {bound[:12]}), not to this one ({runner.fingerprint[:12]})")
-        session = cls(session_id, store, runner, Policy.from_yaml(row["policy_json"]), row["model_id"], on_pending)
+        session = cls(session_id, store, runner, Policy.from_yaml(row.policy_json), row.model_id, on_pending)
         with store.lock(session_id):
             session._sync()
         return session
@@ -240,16 +192,12 @@ class Session:
         message = Message.coerce(msg, default_role="system")
         if message.role in ("user", "assistant"):
             raise ConfigError("msg.role", message.role, "user messages go through chat(); assistant ones are replies")
-        return self._commit(message)
+        return self.add_messages([message])[0]
 
     def add_history(self, msg: str | dict | Message) -> int:
         """Commit a message of an exchange that happened outside this session (any role, user and assistant
         included), as ``Session.create(history=...)`` does; it is fed to the cache with the next turn."""
-        return self._commit(Message.coerce(msg))
-
-    def _commit(self, message: Message) -> int:
-        """Admit ``message`` against the policy limits and append it, with its pins, under the session lock."""
-        return self.add_messages([message])[0]
+        return self.add_messages([msg])[0]
 
     def add_messages(self, messages: Sequence[str | dict | Message]) -> list[int]:
         """Commit several messages of any role (as :meth:`add_history`) all together or not at all: admitted
@@ -262,7 +210,7 @@ class Session:
         with self.store.lock(self.id):
             self._sync()  # a turn another worker left pending is resolved first: its reply follows its question
             rows = self._new_rows(msgs, self.messages(), counts)
-            return [row["seq"] for row in self.store.add_messages(self.id, rows)]
+            return [row["seq"] for row in self.store.add_messages(self.id, rows)]  # the rows just written
 
     def admit(self, messages: Sequence[Message], reply_tokens: int = 0) -> None:
         """Check, storing nothing, that ``messages`` (the last one a turn's) and a reply of up to ``reply_tokens``
@@ -285,38 +233,22 @@ class Session:
         return self.add_message(Message(role="document", content=text, name=name, pinned=pinned))
 
     def messages(self, include_abandoned: bool = False, up_to_seq: int | None = None) -> list[Message]:
-        return [Message(role=r["role"], content=r["content"], name=r["name"], pinned=r["pinned"], seq=r["seq"],
-                        pins=MessagePins.from_json(r.get("pins")))
+        return [Message(role=r.role, content=r.content, name=r.name, pinned=r.pinned, seq=r.seq,
+                        pins=MessagePins.from_json(r.pins))
                 for r in self.store.messages(self.id, include_abandoned=include_abandoned)
-                if up_to_seq is None or r["seq"] <= up_to_seq]
+                if up_to_seq is None or r.seq <= up_to_seq]
 
     def stored_reply(self, turn: int | None = None) -> Reply:
-        """The reply of done turn ``turn`` (default the last one), as the store holds it (a retried request is
-        answered with it)."""
-        rows = {row["turn"]: row for row in self.store.turns(self.id, status="done")}
-        turn = max(rows, default=None) if turn is None else turn
-        if turn not in rows:
-            raise ConfigError("turn", turn, f"is not a done turn of session {self.id}")
-        row = rows[turn]
-        content = next(m.content for m in self.messages() if m.seq == row["assistant_seq"])
-        text = cut_at_stop(content, (row["generation"] or {}).get("stop") or ())  # as the live reply showed it
-        decoded, pending = list(row["decode_tokens"] or []), list(row["pending_tokens"] or [])
-        tokens = decoded + (pending if row["stop_reason"] != "eos" else [])
-        plan = TurnPlan.from_record(row["segments"], row["prefill_tokens"])
-        return Reply(text=text, turn=turn, session_id=self.id, token_ids=tokens, prompt_tokens=len(plan.tokens),
-                     completion_tokens=len(tokens), context_tokens=plan.end_position + len(decoded) + len(pending),
-                     cache_tokens=[], kept_per_role=row["kept_per_role"] or {},
-                     timings=row["timings"] or {}, report=None, stop_reason=row["stop_reason"] or "length")
+        """The reply of done turn ``turn`` (default the last one), as the store holds it."""
+        return stored_reply(self.store, self.id, turn)
 
     def verify(self) -> list[str]:
         """Problems in the stored hash chain (empty when intact)."""
         return self.store.verify(self.id)
 
     def _pins_at_commit(self, message: Message, before: list[Message] | None = None) -> MessagePins:
-        """``message``'s pins, found once as it is committed; refused, before storing, when they alone could
-        never fit a layer's history budget (``pin_overflow: error``, a fixed budget): stored, such a message
-        would fail every later turn. ``before``: the messages before it (default: the stored ones, read at most
-        once)."""
+        """``message``'s pins, checked against the tightest layer's room (:meth:`Transcript.commit_pins`).
+        ``before``: the messages before it (default: the stored ones, read at most once)."""
         read: list[list[Message]] = [] if before is None else [before]
 
         def prefix() -> list[Message]:
@@ -324,16 +256,10 @@ class Session:
                 read.append(self.messages())
             return read[0]
 
-        pins = self.transcript.message_pins(prefix, message)
         comp = self.policy.compression
-        if comp.pin_overflow != "error" or comp.budget is None:
-            return pins
-        room = min(layer_budgets(comp, self.runner.num_layers, comp.budget)) - comp.window
-        pinned = self.transcript.pinned_tokens(prefix, message, pins)
-        if pinned - 2 > room:  # its turn may tokenize the span's two ends a token apart
-            raise AdmissionError("compression.budget", comp.budget, f"the {message.role} message alone pins "
-                                 f"{pinned} tokens and a layer keeps {room} history tokens (pin_overflow: error)")
-        return pins
+        fixed = comp.pin_overflow == "error" and comp.budget is not None
+        room = history_room(comp, self.runner.num_layers, comp.budget) if fixed else None
+        return self.transcript.commit_pins(prefix, message, room, comp.budget)
 
     def count_tokens(self, text: str) -> int:
         """Content tokens of ``text``, as admission counts them."""
@@ -367,7 +293,7 @@ class Session:
             yield from self._live(turn, user_seq, gen)
         except BaseException as exc:  # an error or an abandoned stream: no half turn
             self._reset()  # first, whatever the store does next: the cache may hold part of the turn
-            self._close_failed(turn, exc)
+            close_failed(self.store, self.id, turn, exc)
             raise
         finally:
             self._tier_done()
@@ -375,17 +301,6 @@ class Session:
     def _tier_done(self) -> None:
         """The turn's hold on the memory ends (a tier may be evicted again; :meth:`HotOnly.lease`)."""
         self._lease.close()
-
-    def _close_failed(self, turn: int, exc: BaseException) -> None:
-        """Record a failed turn as abandoned, if the store can; else it stays pending, and the next use of the
-        session resolves it by the pending rules. Never raises: the caller's own error is the one to report."""
-        reason = "stream closed before the reply" if isinstance(exc, GeneratorExit) else type(exc).__name__
-        error = {"type": type(exc).__name__, "message": str(exc)[:2000]} if isinstance(exc, Exception) else None
-        try:
-            self.store.abandon_turn(self.id, turn, reason=reason, error=error)
-        except Exception as store_exc:  # noqa: BLE001 - the store is failing too; the turn stays pending
-            warnings.warn(f"turn {turn} could not be closed ({type(store_exc).__name__}); it stays pending and is "
-                          "resolved when the session is next used", RuntimeWarning, stacklevel=3)
 
     def _context(self, user_seq: int, reprefill: bool) -> TurnContext:
         return TurnContext(user_seq=user_seq, pending=len(self.state.pending), reprefill=reprefill,
@@ -457,11 +372,9 @@ class Session:
         lost = next((payload["reason"] for kind, payload in out.events if kind == "tier_lost"), None)
         reason = (f"tier lost: {lost}" if lost else "drift") if out.decision == "reprefill" else None
         emit_turn(self.id, turn, self.model_id, out.decision, reason, plan, result, state, replay=False)
-        self.last_reply = Reply(
-            text=text.text, turn=turn, session_id=self.id, token_ids=result.tokens, prompt_tokens=len(plan.tokens),
-            completion_tokens=len(result.tokens), context_tokens=state.next_position + len(pending),
-            cache_tokens=state.cache_lengths(), kept_per_role=kept_per_role, timings=out.timings, report=report,
-            stop_reason=result.stop_reason, events=events)
+        self.last_reply = Reply.of_turn(self.id, turn, text.text, plan, result.tokens, (decode_tokens, pending),
+                                        kept_per_role, out.timings, result.stop_reason, report=report,
+                                        cache_tokens=state.cache_lengths(), events=events)
 
     def _tier_decision(self, decision: str, events: list[tuple[str, dict]]) -> str:
         """With the tiered memory: a lost tier re-prefills (with an event saying why); a shift the tier holds is
@@ -477,7 +390,7 @@ class Session:
 
     def _prior_reprefills(self) -> list[int]:
         """Turns that re-prefilled, in order (read only when a re-prefill is being decided)."""
-        return [t["turn"] for t in self.store.turns(self.id, status="done") if t["drift_decision"] == "reprefill"]
+        return [t.turn for t in self.store.turns(self.id, status="done") if t.drift_decision == "reprefill"]
 
     def _assess(self, query: str) -> Assessment:
         if not self.state.positions:
@@ -489,40 +402,40 @@ class Session:
 
     def _sync(self) -> None:
         """Bring the cache up to the store: replay done turns not applied here; resolve a pending one."""
-        done = self.store.turns(self.id, status="done")
-        if self.state.cache.lost and any(r["turn"] > self.turns_applied for r in done):
+        rows = self.store.turns(self.id)  # one read: the done turns to replay and a pending one
+        done = [r for r in rows if r.status == "done"]
+        if self.state.cache.lost and any(r.turn > self.turns_applied for r in done):
             self._reset()  # turns to catch up on, and no tier to run them on: rebuild both from the start
-            done = self.store.turns(self.id, status="done")
         try:
             for rec in done:
-                if rec["turn"] > self.turns_applied:
+                if rec.turn > self.turns_applied:
                     self._replay(rec)
         except BaseException:  # a half-replayed turn: rebuild from the start next time
             self._reset()
             raise
-        pending = self.store.pending_turn(self.id)
+        pending = next((r for r in reversed(rows) if r.status == "pending"), None)
         if pending is None:
             return
         if self.on_pending == "report":
-            self.store.abandon_turn(self.id, pending["turn"], reason="worker died before the reply; reported on open")
+            self.store.abandon_turn(self.id, pending.turn, reason="worker died before the reply; reported on open")
             return
-        self.store.add_event(self.id, "recovered", {"answered_pending_turn": pending["turn"]}, turn=pending["turn"])
-        for _ in self._run(pending["turn"], pending["user_seq"], GenerationConfig.from_record(pending["generation"])):
+        self.store.add_event(self.id, "recovered", {"answered_pending_turn": pending.turn}, turn=pending.turn)
+        for _ in self._run(pending.turn, pending.user_seq, GenerationConfig.from_record(pending.generation)):
             pass
         self.recovered = self.last_reply
 
-    def _replay(self, rec: dict) -> None:
+    def _replay(self, rec: TurnRecord) -> None:
         """Run one recorded turn's plan again, its reply tokens forced: the cache ends as the live turn left it."""
-        plan = TurnPlan.from_record(rec["segments"], rec["prefill_tokens"])
-        reply = rec["decode_tokens"] + rec["pending_tokens"]
+        plan = TurnPlan.from_record(rec.segments, rec.prefill_tokens)
+        reply = rec.decode_tokens + rec.pending_tokens
         try:
-            result = self._execute(plan, self.messages(up_to_seq=rec["user_seq"]), rec["user_seq"], forced=reply).finish()
+            result = self._execute(plan, self.messages(up_to_seq=rec.user_seq), rec.user_seq, forced=reply).finish()
         finally:
             self._tier_done()
-        emit_turn(self.id, rec["turn"], self.model_id, rec["drift_decision"] or "kept",
+        emit_turn(self.id, rec.turn, self.model_id, rec.drift_decision or "kept",
                   "as recorded" if plan.reprefill else None, plan, result, self.state, replay=True)
-        self.transcript.extend_reply(rec["user_seq"] + 1, reply)
-        self.turns_applied = rec["turn"]
+        self.transcript.extend_reply(rec.user_seq + 1, reply)
+        self.turns_applied = rec.turn
 
 
 __all__ = ["AdmissionError", "Reply", "Session"]

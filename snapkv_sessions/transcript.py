@@ -217,6 +217,23 @@ class Transcript:
             raise PatternTimeout(exc.param, exc.value, f"{exc.reason.split('; ')[0]} ({who}); nothing was stored "
                                  "(simplify the pattern)") from None
 
+    def commit_pins(self, prefix: Callable[[], list[Message]], message: Message, room: int | None,
+                    budget: int | None = None) -> MessagePins:
+        """``message``'s pins, found once as it is committed; refused (:class:`AdmissionError`, before anything is
+        stored) when they alone could never fit ``room``, the history slots the tightest layer keeps (None: no
+        fixed room, as under ``pin_overflow: grow`` or a budget ratio): stored, such a message would fail every
+        later turn. ``budget``: the policy's, named in the error."""
+        from .admission import AdmissionError
+
+        pins = self.message_pins(prefix, message)
+        if room is None:
+            return pins
+        pinned = self.pinned_tokens(prefix, message, pins)
+        if pinned - 2 > room:  # its turn may tokenize the span's two ends a token apart
+            raise AdmissionError("compression.budget", budget, f"the {message.role} message alone pins {pinned} "
+                                 f"tokens and a layer keeps {room} history tokens (pin_overflow: error)")
+        return pins
+
     def pinned_tokens(self, prefix: Callable[[], list[Message]], message: Message, pins: MessagePins) -> int:
         """Tokens of ``message``'s rendered span that its role or its markers and patterns pin (the span
         tokenized on its own: within a token or two of what its turn will prefill)."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import stats
 from .drift import Assessment
+from .errors import ConfigError
+from .generation import cut_at_stop
 from .report import CompressionReport
 from .runner import TurnResult
 from .store.blobs import pack_positions
@@ -31,6 +34,19 @@ class Reply:
     report: CompressionReport | None
     stop_reason: str
     events: list[tuple[str, dict]] = field(default_factory=list)
+
+    @classmethod
+    def of_turn(cls, session_id: str, turn: int, text: str, plan: TurnPlan, tokens: list[int],
+                reply_tokens: tuple[list[int], list[int]], kept_per_role: dict[str, float], timings: dict[str, float],
+                stop_reason: str, *, report: CompressionReport | None = None, cache_tokens: list[int] | None = None,
+                events: list[tuple[str, dict]] | None = None) -> Reply:
+        """The reply of a turn that ran ``plan``: ``tokens`` the reply's ids, ``reply_tokens`` (decoded into the
+        cache, left pending). A live turn and a stored one (:func:`stored_reply`) are built here alike."""
+        decoded, pending = reply_tokens
+        return cls(text=text, turn=turn, session_id=session_id, token_ids=tokens, prompt_tokens=len(plan.tokens),
+                   completion_tokens=len(tokens), context_tokens=plan.end_position + len(decoded) + len(pending),
+                   cache_tokens=cache_tokens or [], kept_per_role=kept_per_role, timings=timings, report=report,
+                   stop_reason=stop_reason, events=events or [])
 
 
 @dataclass(frozen=True)
@@ -89,3 +105,32 @@ def emit_turn(session_id: str, turn: int, model: str, decision: str, reason: str
         stats.emit(stats.TierEvent("streamed", session_id, int(tier["streamed_bytes"]), 0, None))
     if tier.get("recalled"):
         stats.emit(stats.TierEvent("recalled", session_id, 0, int(tier["recalled"]), None))
+
+
+def stored_reply(store, session_id: str, turn: int | None = None) -> Reply:
+    """The reply of done turn ``turn`` (default the last one), as the store holds it (a retried request is
+    answered with it)."""
+    rows = {rec.turn: rec for rec in store.turns(session_id, status="done")}
+    turn = max(rows, default=None) if turn is None else turn
+    if turn not in rows:
+        raise ConfigError("turn", turn, f"is not a done turn of session {session_id}")
+    rec = rows[turn]
+    content = next(m.content for m in store.messages(session_id) if m.seq == rec.assistant_seq)
+    text = cut_at_stop(content, (rec.generation or {}).get("stop") or ())  # as the live reply showed it
+    decoded, pending = list(rec.decode_tokens or []), list(rec.pending_tokens or [])
+    tokens = decoded + (pending if rec.stop_reason != "eos" else [])
+    plan = TurnPlan.from_record(rec.segments, rec.prefill_tokens)
+    return Reply.of_turn(session_id, turn, text, plan, tokens, (decoded, pending), rec.kept_per_role or {},
+                         rec.timings or {}, rec.stop_reason or "length")
+
+
+def close_failed(store, session_id: str, turn: int, exc: BaseException) -> None:
+    """Record a failed turn as abandoned, if the store can; else it stays pending, and the next use of the
+    session resolves it by the pending rules. Never raises: the caller's own error is the one to report."""
+    reason = "stream closed before the reply" if isinstance(exc, GeneratorExit) else type(exc).__name__
+    error = {"type": type(exc).__name__, "message": str(exc)[:2000]} if isinstance(exc, Exception) else None
+    try:
+        store.abandon_turn(session_id, turn, reason=reason, error=error)
+    except Exception as store_exc:  # noqa: BLE001 - the store is failing too; the turn stays pending
+        warnings.warn(f"turn {turn} could not be closed ({type(store_exc).__name__}); it stays pending and is "
+                      "resolved when the session is next used", RuntimeWarning, stacklevel=3)

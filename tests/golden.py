@@ -17,6 +17,7 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 DOC = ("Inventory of the north warehouse. RULE 1: crates of glass MUST stay on the ground floor. Shelf A holds "
@@ -70,7 +71,7 @@ DROP = re.compile(r"(_ms$|^ms$|seconds|created|updated|_at$|^ts$|hash|seal|^id$|
 
 def _clean(value, ids: dict[str, str]):
     """``value`` without timings, timestamps and hashes; session ids replaced by stable names."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # plain dicts and the store's typed records alike
         return {k: _clean(v, ids) for k, v in value.items() if not DROP.search(str(k))}
     if isinstance(value, (list, tuple)):
         return [_clean(v, ids) for v in value]

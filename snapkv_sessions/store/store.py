@@ -29,6 +29,7 @@ from .hashing import GENESIS, message_hash, row_seal
 from .integrity import Integrity, chain_problems, turn_problems
 from .locks import redis_lock, remove_lock_file, sql_lock
 from .migrations import migrate, reseal
+from .records import EventRecord, MessageRecord, SessionRecord, TurnRecord
 
 
 def is_session_id(value: object) -> bool:
@@ -506,16 +507,16 @@ class SessionStore:
             found = conn.execute(select(schema.sessions.c.id).where(schema.sessions.c.id == session_id)).first()
         return found is not None
 
-    def get_session(self, session_id: str) -> dict:
+    def get_session(self, session_id: str) -> SessionRecord:
         if not is_session_id(session_id):
             raise self._no_such(session_id)
         with self._connect() as conn:
             row = conn.execute(select(schema.sessions).where(schema.sessions.c.id == session_id)).mappings().first()
         if row is None:
             raise self._no_such(session_id)
-        return dict(row)
+        return SessionRecord.from_row(row)
 
-    def list_sessions(self, *, owner: str | None = None, any_owner: bool = True) -> list[dict]:
+    def list_sessions(self, *, owner: str | None = None, any_owner: bool = True) -> list[SessionRecord]:
         """Every session, oldest first; with ``any_owner=False`` only ``owner``'s (None: sessions without one)."""
         n_msgs = (select(func.count()).select_from(schema.messages)
                   .where(schema.messages.c.session_id == schema.sessions.c.id).scalar_subquery())
@@ -524,7 +525,7 @@ class SessionStore:
             cols = schema.sessions.c
             q = q.where(cols.owner.is_(None) if owner is None else cols.owner == owner)
         with self._connect() as conn:
-            return [dict(r) for r in conn.execute(q).mappings()]
+            return [SessionRecord.from_row(r) for r in conn.execute(q).mappings()]
 
     def fork_session(self, source_id: str, up_to_seq: int, up_to_turn: int, *, owner: str | None = None,
                      title: str | None = None, session_id: str | None = None) -> str:
@@ -638,14 +639,14 @@ class SessionStore:
         return self.add_messages(session_id, [NewMessage(role, content, name, pinned, token_count=token_count,
                                                          pins=pins)])[0]
 
-    def messages(self, session_id: str, include_abandoned: bool = True) -> list[dict]:
+    def messages(self, session_id: str, include_abandoned: bool = True) -> list[MessageRecord]:
         if not is_session_id(session_id):
             return []
         q = select(schema.messages).where(schema.messages.c.session_id == session_id).order_by(schema.messages.c.seq)
         if not include_abandoned:
             q = q.where(schema.messages.c.status == "active")
         with self._connect() as conn:
-            return [dict(r) for r in conn.execute(q).mappings()]
+            return [MessageRecord.from_row(r) for r in conn.execute(q).mappings()]
 
     # ------------------------------------------------------------------ token counts (admission)
 
@@ -797,25 +798,25 @@ class SessionStore:
             conn.execute(insert(schema.events).values(session_id=session_id, turn=turn, kind=kind, payload=payload,
                                                       created_at=_now()))
 
-    def turns(self, session_id: str, status: str | None = None) -> list[dict]:
+    def turns(self, session_id: str, status: str | None = None) -> list[TurnRecord]:
         if not is_session_id(session_id):
             return []
         q = select(schema.turns).where(schema.turns.c.session_id == session_id).order_by(schema.turns.c.turn)
         if status is not None:
             q = q.where(schema.turns.c.status == status)
         with self._connect() as conn:
-            return [dict(r) for r in conn.execute(q).mappings()]
+            return [TurnRecord.from_row(r) for r in conn.execute(q).mappings()]
 
-    def pending_turn(self, session_id: str) -> dict | None:
+    def pending_turn(self, session_id: str) -> TurnRecord | None:
         pending = self.turns(session_id, status="pending")
         return pending[-1] if pending else None
 
-    def events(self, session_id: str) -> list[dict]:
+    def events(self, session_id: str) -> list[EventRecord]:
         if not is_session_id(session_id):
             return []
         q = select(schema.events).where(schema.events.c.session_id == session_id).order_by(schema.events.c.id)
         with self._connect() as conn:
-            return [dict(r) for r in conn.execute(q).mappings()]
+            return [EventRecord.from_row(r) for r in conn.execute(q).mappings()]
 
     # ------------------------------------------------------------------ integrity
 
@@ -845,5 +846,6 @@ class SessionStore:
     def export(self, session_id: str) -> dict:
         """The whole session as plain data (kept-position blobs left out)."""
         turns = [{k: v for k, v in t.items() if k != "kept_positions"} for t in self.turns(session_id)]
-        return {"session": self.get_session(session_id), "messages": self.messages(session_id), "turns": turns,
-                "events": self.events(session_id)}
+        return {"session": self.get_session(session_id).to_dict(),
+                "messages": [m.to_dict() for m in self.messages(session_id)], "turns": turns,
+                "events": [e.to_dict() for e in self.events(session_id)]}
