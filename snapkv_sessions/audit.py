@@ -340,24 +340,29 @@ def find(store: SessionStore, session_id: str, text: str, turn: int | None = Non
     """
     import torch
 
+    from . import stats
     from .models import runner_for
     from .session import Session
 
     if not isinstance(text, str) or not text:
         raise ConfigError("text", text, "must be a non-empty string")
-    row = store.get_session(session_id)
-    runner, model_id = runner_for(model if model is not None else row["model_id"])
-    session = Session(session_id, store, runner, Policy.from_yaml(row["policy_json"]), row["model_id"])
+    runner, _ = runner_for(model if model is not None else store.get_session(session_id).model_id)
     captured: dict[int, list] = {}
-    current = {"turn": 0}
-    runner.observer = lambda sel: captured.setdefault(current["turn"], []).append(_detach(sel))
+    selections: list = []  # the turn being replayed: its selections, filed under it when its TurnStat comes
+
+    class FileByTurn:
+        def record(self, stat: stats.Stat) -> None:
+            if isinstance(stat, stats.TurnStat) and stat.session_id == session_id:
+                captured[stat.turn] = list(selections)
+                selections.clear()
+
+    runner.observer = lambda sel: selections.append(_detach(sel))
     try:
-        for rec in store.turns(session_id, status="done"):
-            current["turn"] = rec["turn"]
-            with torch.inference_mode():
-                session._replay(rec)
+        with stats.sinks(FileByTurn()), torch.inference_mode():
+            session = Session.rebuild(session_id, runner, store)
     finally:
         runner.observer = None
+    captured = {t: sels for t, sels in captured.items() if sels}  # turns whose cache fitted chose nothing
     transcript = session.transcript
     spans = [(m.start(), m.end()) for m in re.finditer(re.escape(text), transcript.text)]
     occurrences = []

@@ -149,6 +149,23 @@ class Session:
         A turn left pending by a crashed worker is answered (``on_pending="answer"``) or closed as abandoned
         and reported in the events (``"report"``).
         """
+        session = cls._bound(session_id, model, store, redis_url, on_pending)
+        with session.store.lock(session_id):
+            session._sync()
+        return session
+
+    @classmethod
+    def rebuild(cls, session_id: str, model=None, store: SessionStore | str | None = None) -> Session:
+        """The stored session's cache rebuilt from its done turns' records, writing nothing: no lock, and a pending
+        turn is left as it is (an audit reads a session this way while a worker may be serving it)."""
+        session = cls._bound(session_id, model, store, None, "report")
+        for rec in session.store.turns(session_id, status="done"):
+            session._replay(rec)
+        return session
+
+    @classmethod
+    def _bound(cls, session_id: str, model, store, redis_url: str | None, on_pending: str) -> Session:
+        """The stored session on ``model`` (default: its own), which must be the model it is bound to."""
         store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
         row = store.get_session(session_id)
         runner, model_id = runner_for(model if model is not None else row.model_id)
@@ -156,10 +173,7 @@ class Session:
         if bound is not None and bound != runner.fingerprint:  # sessions from before fingerprints are not checked
             raise ConfigError("model", model_id, f"session {session_id} is bound to model {row.model_id!r} "
                               f"(fingerprint {bound[:12]}), not to this one ({runner.fingerprint[:12]})")
-        session = cls(session_id, store, runner, Policy.from_yaml(row.policy_json), row.model_id, on_pending)
-        with store.lock(session_id):
-            session._sync()
-        return session
+        return cls(session_id, store, runner, Policy.from_yaml(row.policy_json), row.model_id, on_pending)
 
     def catch_up(self) -> None:
         """Bring the cache up to the store now: turns other workers ran are replayed, and a turn one of them left
