@@ -386,3 +386,19 @@ def decide(assessment: Assessment, policy: Policy, evicted: bool, prior_reprefil
     if prior and turn - prior[-1] < recovery.min_turns_between:
         return "limited"
     return "reprefill"
+
+
+def decide_turn(assessment: Assessment, policy: Policy, evicted: bool, prior_reprefills: Callable[[], list[int]],
+                turn: int, tier_lost: str | None) -> tuple[str, list[tuple[str, dict]]]:
+    """A live turn's decision (:func:`decide`) and the events that say why. With the tiered memory a lost tier
+    re-prefills (``tier_lost``: why it was lost) and a shift the tier holds is served by it (``tiered``) unless
+    ``memory.on_shift`` asks for re-prefills."""
+    decision = decide(assessment, policy, evicted, prior_reprefills, turn)
+    events = [("drift", {**assessment.to_dict(), "decision": decision})] if assessment.score is not None else []
+    if policy.tiered:
+        if tier_lost:
+            events.append(("tier_lost", {"reason": tier_lost}))
+            return "reprefill", events
+        if decision == "reprefill" and policy.memory.on_shift == "tier":
+            return "tiered", events
+    return decision, events

@@ -12,25 +12,25 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TypedDict, Unpack
 
 from . import forks
 from .admission import Admission, AdmissionError
-from .chat import Message, MessagePins
-from .drift import Assessment, DriftMonitor, decide
+from .chat import Message
+from .drift import Assessment, DriftMonitor, decide_turn
 from .errors import ConfigError
 from .forks import Snapshot
 from .generation import GenerationConfig, TextStream
+from .messages import SessionMessages
 from .models import runner_for
 from .policy import Policy
-from .press import history_room
 from .runner import ModelRunner, TurnRun
-from .store import NewMessage, SessionStore, StoreError
+from .store import SessionStore, StoreError
 from .store.records import TurnRecord
 from .tierpool import POOL
 from .transcript import Transcript, TurnContext, TurnPlan
-from .turn import Reply, TurnOutcome, close_failed, emit_turn, stored_reply
+from .turn import Reply, TurnOutcome, close_failed, emit_turn
 
 
 class SessionOptions(TypedDict, total=False):
@@ -52,7 +52,7 @@ class SessionOptions(TypedDict, total=False):
     session_id: str | None
 
 
-class Session:
+class Session(SessionMessages):
     """A multi-turn conversation whose KV cache is compressed with SnapKV after every turn.
 
     Build one with :meth:`create` or :meth:`open`, never directly.
@@ -199,86 +199,6 @@ class Session:
         """The rendered conversation the cache holds, its pending token included."""
         return self.transcript.text
 
-    # ------------------------------------------------------------------ messages
-
-    def add_message(self, msg: str | dict | Message) -> int:
-        """Commit a non-turn message (system, developer, tool_schema, document); it is fed with the next turn."""
-        message = Message.coerce(msg, default_role="system")
-        if message.role in ("user", "assistant"):
-            raise ConfigError("msg.role", message.role, "user messages go through chat(); assistant ones are replies")
-        return self.add_messages([message])[0]
-
-    def add_history(self, msg: str | dict | Message) -> int:
-        """Commit a message of an exchange that happened outside this session (any role, user and assistant
-        included), as ``Session.create(history=...)`` does; it is fed to the cache with the next turn."""
-        return self.add_messages([msg])[0]
-
-    def add_messages(self, messages: Sequence[str | dict | Message]) -> list[int]:
-        """Commit several messages of any role (as :meth:`add_history`) all together or not at all: admitted
-        together against the limits, then appended in one transaction; returns their seqs. They are fed to the
-        cache with the next turn."""
-        msgs = [Message.coerce(m) for m in messages]
-        if not msgs:
-            return []
-        counts = self.admission.admit_all(msgs)
-        with self.store.lock(self.id):
-            self._sync()  # a turn another worker left pending is resolved first: its reply follows its question
-            rows = self._new_rows(msgs, self.messages(), counts)
-            return [row["seq"] for row in self.store.add_messages(self.id, rows)]  # the rows just written
-
-    def admit(self, messages: Sequence[Message], reply_tokens: int = 0) -> None:
-        """Check, storing nothing, that ``messages`` (the last one a turn's) and a reply of up to ``reply_tokens``
-        would pass admission: :class:`AdmissionError` naming the limit if not. A server checks a request whole
-        this way before it commits any of it."""
-        self.admission.admit_all(messages, reply_tokens)
-
-    def _new_rows(self, msgs: list[Message], stored: list[Message], counts: list[int]) -> list[NewMessage]:
-        """``msgs`` as rows to append after ``stored``, each with its token count and pins."""
-        rows, prefix = [], list(stored)
-        for message, n in zip(msgs, counts, strict=True):
-            pins = self._pins_at_commit(message, prefix)
-            rows.append(NewMessage(message.role, message.content, message.name, message.pinned, token_count=n,
-                                   pins=pins.to_json()))
-            prefix.append(message)
-        return rows
-
-    def add_document(self, text: str, name: str | None = None, pinned: bool = False) -> int:
-        """Commit a document; it enters the cache with the next turn (pinned documents are never evicted)."""
-        return self.add_message(Message(role="document", content=text, name=name, pinned=pinned))
-
-    def messages(self, include_abandoned: bool = False, up_to_seq: int | None = None) -> list[Message]:
-        return [Message(role=r.role, content=r.content, name=r.name, pinned=r.pinned, seq=r.seq,
-                        pins=MessagePins.from_json(r.pins))
-                for r in self.store.messages(self.id, include_abandoned=include_abandoned)
-                if up_to_seq is None or r.seq <= up_to_seq]
-
-    def stored_reply(self, turn: int | None = None) -> Reply:
-        """The reply of done turn ``turn`` (default the last one), as the store holds it."""
-        return stored_reply(self.store, self.id, turn)
-
-    def verify(self) -> list[str]:
-        """Problems in the stored hash chain (empty when intact)."""
-        return self.store.verify(self.id)
-
-    def _pins_at_commit(self, message: Message, before: list[Message] | None = None) -> MessagePins:
-        """``message``'s pins, checked against the tightest layer's room (:meth:`Transcript.commit_pins`).
-        ``before``: the messages before it (default: the stored ones, read at most once)."""
-        read: list[list[Message]] = [] if before is None else [before]
-
-        def prefix() -> list[Message]:
-            if not read:
-                read.append(self.messages())
-            return read[0]
-
-        comp = self.policy.compression
-        fixed = comp.pin_overflow == "error" and comp.budget is not None
-        room = history_room(comp, self.runner.num_layers, comp.budget) if fixed else None
-        return self.transcript.commit_pins(prefix, message, room, comp.budget)
-
-    def count_tokens(self, text: str) -> int:
-        """Content tokens of ``text``, as admission counts them."""
-        return self.admission.count(text)
-
     # ------------------------------------------------------------------ turns
 
     def chat(self, msg: str | dict | Message, **generation) -> Reply:
@@ -342,11 +262,8 @@ class Session:
         msgs = self.messages()
         assessment = self._assess(next(m.content for m in msgs if m.seq == user_seq))
         evicted = any(n != self.state.next_position for n in self.state.cache_lengths())
-        decision = decide(assessment, self.policy, evicted, self._prior_reprefills, turn)
-        events: list[tuple[str, dict]] = []
-        if assessment.score is not None:
-            events.append(("drift", {**assessment.to_dict(), "decision": decision}))
-        decision = self._tier_decision(decision, events)
+        decision, events = decide_turn(assessment, self.policy, evicted, self._prior_reprefills, turn,
+                                       self.state.cache.lost)
         plan = self.transcript.plan(msgs, self._context(user_seq, decision == "reprefill"))
         run = self._execute(plan, msgs, user_seq, gen=gen)
         t_prefill = time.perf_counter()
@@ -389,18 +306,6 @@ class Session:
         self.last_reply = Reply.of_turn(self.id, turn, text.text, plan, result.tokens, (decode_tokens, pending),
                                         kept_per_role, out.timings, result.stop_reason, report=report,
                                         cache_tokens=state.cache_lengths(), events=events)
-
-    def _tier_decision(self, decision: str, events: list[tuple[str, dict]]) -> str:
-        """With the tiered memory: a lost tier re-prefills (with an event saying why); a shift the tier holds is
-        served by it ("tiered") unless ``memory.on_shift`` asks for re-prefills."""
-        if not self.policy.tiered:
-            return decision
-        if self.state.cache.lost:
-            events.append(("tier_lost", {"reason": self.state.cache.lost}))
-            return "reprefill"
-        if decision == "reprefill" and self.policy.memory.on_shift == "tier":
-            return "tiered"
-        return decision
 
     def _prior_reprefills(self) -> list[int]:
         """Turns that re-prefilled, in order (read only when a re-prefill is being decided)."""
