@@ -31,8 +31,9 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     ----------
     query : (B, Hq, Q, D)
     key, value : (B, Hkv, T, D), with T >= Q; Hq a multiple of Hkv (GQA)
-    key_mask : (B, 1, 1, T) bool, decode only: the keys each row may see (several sessions padded into one
-        batch, :mod:`snapkv_sessions.batch`); None: all of them
+    key_mask : (B, 1, 1, T) or (B, Hkv, 1, T) bool: the keys each row (and KV head) may see: several sessions
+        padded into one batch (:mod:`snapkv_sessions.batch`), or the padding slots of heads that keep different
+        numbers of slots (:mod:`snapkv_sessions.allocate`); None: all of them
 
     Returns
     -------
@@ -40,23 +41,29 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     """
     q_len, t_len = query.shape[-2], key.shape[-2]
     gqa = query.shape[1] != key.shape[1]
+    if key_mask is not None and key_mask.shape[1] not in (1, query.shape[1]):  # per KV head: to its query heads
+        key_mask = key_mask.repeat_interleave(query.shape[1] // key_mask.shape[1], dim=1)  # (B, Hq, 1, T)
     if q_len == 1:  # decode: the one query sees every cached key (of its own row)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=key_mask, scale=scaling, enable_gqa=gqa)
-    elif q_len == t_len:  # prefill on an empty cache: plain causal
+    elif q_len == t_len and key_mask is None:  # prefill on an empty cache: plain causal
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:  # prefill onto a cache: bottom-right aligned causal mask
         mask = torch.ones(q_len, t_len, dtype=torch.bool, device=query.device).tril(t_len - q_len)  # (Q, T)
+        if key_mask is not None:
+            mask = mask & key_mask  # (B, H, Q, T)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()  # (B, Q, Hq, D)
 
 
-def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float) -> torch.Tensor:
+def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean softmax attention of the last ``window`` queries over all keys, in fp32.
 
     Parameters
     ----------
     query : (B, Hq, Q, D), post-RoPE; its last ``window`` rows are the observation window
     key : (B, Hkv, T, D), post-RoPE, the whole cache of the layer (T >= Q >= window)
+    key_mask : (B, Hkv, 1, T) bool, False at padding slots (which then get no attention), or None
 
     Returns
     -------
@@ -70,6 +77,8 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scalin
     # window row i sits at cache index T - W + i: it sees keys up to there, not the later window rows.
     future = torch.ones(window, window, dtype=torch.bool, device=query.device).triu(1)  # (W, W)
     logits[..., t_len - window :].masked_fill_(future, float("-inf"))
+    if key_mask is not None:
+        logits.masked_fill_(~key_mask[:, :, None], float("-inf"))  # (B, Hkv, 1, 1, T) padding slots
     probs = logits.softmax(dim=-1)  # (B, Hkv, G, W, T)
     return probs.mean(dim=3).reshape(bsz, n_q, t_len)  # (B, Hq, T)
 
@@ -95,9 +104,10 @@ class WindowProbe:
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
+               key_mask: torch.Tensor | None = None) -> None:
         start = time.perf_counter()
-        self.scores[layer] = window_attention(query, key, self.window, scaling)  # (B, Hq, T)
+        self.scores[layer] = window_attention(query, key, self.window, scaling, key_mask)  # (B, Hq, T)
         self.seconds += time.perf_counter() - start
 
 
@@ -110,7 +120,7 @@ def snapkv_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     snapkv_probe: WindowProbe | None = None,
-    snapkv_keymask: dict | None = None,
+    snapkv_keymask: object | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """``transformers.AttentionInterface`` function: causal SDPA plus the optional window probe.
@@ -120,9 +130,10 @@ def snapkv_attention_forward(
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    # (S, 1, 1, T) a batched decode's padded slots, or (B, Hkv, 1, T) a layer's padding: read after its update
+    key_mask = None if snapkv_keymask is None else snapkv_keymask.get(module.layer_idx)
     if snapkv_probe is not None:
-        snapkv_probe.record(module.layer_idx, query, key, scaling)
-    key_mask = None if snapkv_keymask is None else snapkv_keymask[module.layer_idx]  # (S, 1, 1, T) batched decode
+        snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)
     return causal_sdpa(query, key, value, scaling, key_mask), None
 
 

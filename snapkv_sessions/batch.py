@@ -34,8 +34,9 @@ _ROUND = 64  # slot widths grow in steps of this many tokens, so a step's shapes
 
 
 class KeyMasks(dict):
-    """``{layer: (S, 1, 1, T) bool}``, filled by :class:`SlotLayer` as each layer runs; the attention function
-    reads its layer's mask (``snapkv_keymask=`` through the model's forward kwargs)."""
+    """``{layer: (S, 1, 1, T) bool}`` (``(S, Hkv, 1, T)`` when a slot's heads keep uneven counts), filled by
+    :class:`SlotLayer` as each layer runs; the attention function reads its layer's mask (``snapkv_keymask=``
+    through the model's forward kwargs)."""
 
 
 @dataclass(eq=False)  # a slot is itself: found by identity (SlotPool.slots.index), never by its fields
@@ -45,6 +46,7 @@ class Slot:
     state: KVState
     lengths: list[int]  # per layer: slots used (its cache length plus the tokens fed)
     fed: list[int] = field(default_factory=list)  # written here, not yet accounted in the state
+    padded: bool = False  # its cache has padding slots (heads keeping uneven counts), hidden by the pool's mask
 
 
 class SlotPool:
@@ -63,6 +65,9 @@ class SlotPool:
         self.num_layers, self.size, self.static = num_layers, size, static
         self.keys: list[torch.Tensor] = []  # per layer (S, Hkv, T_cap, D)
         self.values: list[torch.Tensor] = []
+        # per layer (S, Hkv, T_cap) bool, False at the padding slots of heads keeping uneven counts; None until a
+        # session with padding is admitted (then every slot's row is kept, True where it has none)
+        self.visible: list[torch.Tensor] | None = None
         self.slots: list[Slot] = []  # slot i holds self.slots[i]; always the first len(self.slots)
 
     @property
@@ -87,11 +92,18 @@ class SlotPool:
         lengths = [int(lay.keys.shape[-2]) for lay in layers]
         self._fit(layers[0].keys, max(lengths) + min(max(extra, 1), _ROUND))
         index = len(self.slots)
+        masks = [getattr(lay, "visible", None) for lay in layers]  # (1, Hkv, n) or None per layer
+        if self.visible is None and any(m is not None for m in masks):
+            self.visible = [torch.ones(k.shape[:3], dtype=torch.bool, device=k.device) for k in self.keys]
         for layer, lay in enumerate(layers):
             n = lengths[layer]
             self.keys[layer][index, :, :n] = lay.keys[0]  # (Hkv, n, D)
             self.values[layer][index, :, :n] = lay.values[0]
-        self.slots.append(Slot(state, lengths))
+            if self.visible is not None:
+                self.visible[layer][index] = True  # (Hkv, T_cap)
+                if masks[layer] is not None:
+                    self.visible[layer][index, :, :n] = masks[layer][0]
+        self.slots.append(Slot(state, lengths, padded=any(m is not None for m in masks)))
         return index
 
     @torch.inference_mode()
@@ -101,8 +113,10 @@ class SlotPool:
         state = slot.state
         for layer, lay in enumerate(state.cache.layers):
             n = slot.lengths[layer]
+            had = slot.padded and getattr(lay, "visible", None) is not None
+            visible = self.visible[layer][index : index + 1, :, :n].clone() if had else None  # (1, Hkv, n)
             set_layer(lay, self.keys[layer][index : index + 1, :, :n].clone(),  # (1, Hkv, n, D)
-                      self.values[layer][index : index + 1, :, :n].clone())
+                      self.values[layer][index : index + 1, :, :n].clone(), visible)
         if slot.fed:
             state.append(slot.fed, [False] * len(slot.fed), state.positions[0].shape[1], state.positions[0].device)
         self.drop(index)
@@ -120,10 +134,12 @@ class SlotPool:
                 n = max(moved.lengths[layer], 1)
                 self.keys[layer][index, :, :n] = self.keys[layer][last, :, :n]  # (Hkv, n, D)
                 self.values[layer][index, :, :n] = self.values[layer][last, :, :n]
+                if self.visible is not None:
+                    self.visible[layer][index] = self.visible[layer][last]  # (Hkv, T_cap)
             self.slots[index] = moved
         self.slots.pop()
         if not self.slots and not self.static:  # idle: give the width back; the next admit allocates anew
-            self.keys, self.values = [], []
+            self.keys, self.values, self.visible = [], [], None
 
     def _fit(self, like: torch.Tensor, need: int) -> None:
         """Allocate the slots on first use (or after an idle pool freed them), or widen them (keeping what they
@@ -141,6 +157,13 @@ class SlotPool:
                 v[:, :, : self.width] = self.values[layer]
             grown_k.append(k)
             grown_v.append(v)
+        if self.visible is not None:
+            grown = []
+            for vis in self.visible:
+                wide = vis.new_ones(self.size, heads, width)  # (S, Hkv, T_cap)
+                wide[:, :, : vis.shape[-1]] = vis
+                grown.append(wide)
+            self.visible = grown
         self.keys, self.values = grown_k, grown_v
 
     @torch.inference_mode()
@@ -186,7 +209,10 @@ class SlotLayer(DynamicLayer):
         keys[rows, :, at] = key_states[:, :, 0]  # (n, Hkv, D)
         values[rows, :, at] = value_states[:, :, 0]
         span = pool.width if pool.static else max(lengths) + 1
-        self.masks[self.index] = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (n,1,1,T)
+        mask = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (n, 1, 1, T)
+        if pool.visible is not None:  # a slot's padding slots, per KV head
+            mask = mask & pool.visible[self.index][:n, :, None, :span]  # (n, Hkv, 1, T)
+        self.masks[self.index] = mask
         return keys[:n, :, :span], values[:n, :, :span]  # (n, Hkv, T, D) views
 
     def get_seq_length(self) -> int:

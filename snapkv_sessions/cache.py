@@ -24,10 +24,24 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from .errors import ConfigError
 from .gpu import fused_gather
 
 if TYPE_CHECKING:
     from .state import KVState
+
+
+def first_slots(positions: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, K) bool: False at a padding slot. Positions are sorted per head and a head that keeps fewer slots
+    than its layer's busiest head repeats one of its own (:func:`snapkv_sessions.press.select_positions`), so a
+    slot is padding exactly when it repeats the previous slot's true position."""
+    real = torch.ones_like(positions, dtype=torch.bool)  # (B, Hkv, K)
+    real[..., 1:] = positions[..., 1:] != positions[..., :-1]
+    return real
+
+
+def _no_padding(layer: int) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class History:
     next_position: int
     kv: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
     nbytes: int  # key and value bytes of every slot held, hot and cold
+    visible: Callable[[int], torch.Tensor | None] = _no_padding  # (B, Hkv, T_l) bool: False at padding slots
 
     def keys(self, layer: int) -> torch.Tensor:
         return self.kv(layer)[0]  # (B, Hkv, T_l, D)
@@ -97,12 +112,25 @@ class HotOnly:
     def history(self, state: KVState) -> History:
         layers = self.layers  # type: ignore[attr-defined]  # the Cache's layers
         return History(state.positions, state.token_ids, state.pinned, state.next_position,
-                       lambda layer: (layers[layer].keys, layers[layer].values), state.kv_bytes())
+                       lambda layer: (layers[layer].keys, layers[layer].values), state.kv_bytes(),
+                       lambda layer: getattr(layers[layer], "visible", None))
 
-    def keep(self, state: KVState, chosen: dict[int, torch.Tensor]) -> bool:
-        """Keep each chosen layer's slots ``chosen[l]`` (B, Hkv, K); returns whether the memory changed."""
+    def key_masks(self) -> LayerMasks | None:
+        """For one forward: per layer the keys attention may see, read as the layer runs (None: all of them,
+        the cache holds no padding)."""
+        layers = self.layers  # type: ignore[attr-defined]
+        if not any(getattr(lay, "_vis", None) is not None for lay in layers):
+            return None
+        return LayerMasks(layers)
+
+    def keep(self, state: KVState, chosen: dict[int, torch.Tensor],
+             visible: dict[int, torch.Tensor] | None = None) -> bool:
+        """Keep each chosen layer's slots ``chosen[l]`` (B, Hkv, K); ``visible[l]`` (B, Hkv, K) bool marks the
+        real ones of a layer whose heads keep different numbers (False: padding). Returns whether the memory
+        changed."""
         if not chosen:
             return False
+        visible = visible or {}
         layers = self.layers  # type: ignore[attr-defined]
         fused = None
         if isinstance(self, CompactCache) and len(chosen) == len(layers) and len({i.shape for i in chosen.values()}) == 1:
@@ -111,11 +139,13 @@ class HotOnly:
             idx = torch.stack([chosen[layer] for layer in range(len(layers))])  # (L, B, Hkv, K)
             keys, values = fused([lay.keys for lay in layers], [lay.values for lay in layers], idx)  # (L, B, Hkv, K, D)
             self.replace_all(keys, values)
+            for layer, lay in enumerate(layers):
+                lay.set_visible(visible.get(layer))
         else:
             for layer, idx in chosen.items():
                 lay = layers[layer]
                 rows = idx[..., None].expand(-1, -1, -1, lay.keys.shape[-1])  # (B, Hkv, K, D)
-                set_layer(lay, lay.keys.gather(2, rows), lay.values.gather(2, rows))  # (B, Hkv, K, D) each
+                set_layer(lay, lay.keys.gather(2, rows), lay.values.gather(2, rows), visible.get(layer))
         for layer, idx in chosen.items():
             state.positions[layer] = state.positions[layer].gather(-1, idx)  # (B, Hkv, K)
         return True
@@ -125,14 +155,33 @@ class HotOnly:
         return None
 
 
+class LayerMasks:
+    """``masks.get(layer)``: the layer's key mask (B, Hkv, 1, T) for the keys its last update returned, or None;
+    read by the attention function when the layer runs (``snapkv_keymask=``), after the layer's update."""
+
+    def __init__(self, layers) -> None:
+        self.layers = layers
+
+    def get(self, layer: int) -> torch.Tensor | None:
+        return self.layers[layer].key_mask()
+
+
 class CompactLayer(DynamicLayer):
-    """One layer's keys and values in a preallocated buffer; ``keys``/``values`` are views of the used part."""
+    """One layer's keys and values in a preallocated buffer; ``keys``/``values`` are views of the used part.
+
+    A layer whose heads keep different numbers of slots (an uneven allocator, :mod:`snapkv_sessions.allocate`)
+    also holds ``visible`` (B, Hkv, length) bool: False at the padding slots, which attention never sees. None
+    (the usual case): every slot is real.
+    """
+
+    _vis: torch.Tensor | None = None  # (B, Hkv, capacity) bool, or None: no padding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         bsz, heads, _, dim = key_states.shape
         self._k = key_states.new_empty(bsz, heads, 0, dim)  # (B, Hkv, capacity, D)
         self._v = value_states.new_empty(bsz, heads, 0, value_states.shape[-1])
+        self._vis = None
         self.length = 0
         self._sync_views()
         self.is_initialized = True
@@ -140,6 +189,24 @@ class CompactLayer(DynamicLayer):
     def _sync_views(self) -> None:
         self.keys = self._k[:, :, : self.length]  # (B, Hkv, length, D), a view
         self.values = self._v[:, :, : self.length]
+
+    @property
+    def visible(self) -> torch.Tensor | None:
+        """(B, Hkv, length) bool, False at padding slots; None when the layer holds none."""
+        return None if self._vis is None else self._vis[..., : self.length]
+
+    def set_visible(self, visible: torch.Tensor | None) -> None:
+        """Mark the held slots' padding: ``visible`` (B, Hkv, length) bool, or None for none."""
+        if visible is None:
+            self._vis = None
+            return
+        vis = visible.new_ones(*visible.shape[:2], self.capacity)  # (B, Hkv, capacity) slots to come are real
+        vis[..., : visible.shape[-1]] = visible
+        self._vis = vis
+
+    def key_mask(self) -> torch.Tensor | None:
+        """(B, Hkv, 1, length) bool: the keys attention may see; None: all of them."""
+        return None if self._vis is None else self._vis[:, :, None, : self.length]
 
     @property
     def capacity(self) -> int:
@@ -155,6 +222,10 @@ class CompactLayer(DynamicLayer):
         k[:, :, : self.length] = self.keys
         v[:, :, : self.length] = self.values
         self._k, self._v = k, v
+        if self._vis is not None:
+            vis = self._vis.new_ones(*self._vis.shape[:2], need)  # (B, Hkv, need)
+            vis[..., : self.length] = self._vis[..., : self.length]
+            self._vis = vis
         self._sync_views()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -166,6 +237,8 @@ class CompactLayer(DynamicLayer):
             self.reserve(max(n, self.capacity // 2))
         self._k[:, :, self.length : self.length + n] = key_states
         self._v[:, :, self.length : self.length + n] = value_states
+        if self._vis is not None:
+            self._vis[..., self.length : self.length + n] = True
         self.length += n
         self._sync_views()
         return self.keys, self.values
@@ -175,10 +248,12 @@ class CompactLayer(DynamicLayer):
         self.length = min(self.length, length)
         self._sync_views()
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Hold exactly these slots (after a compression): the buffer becomes them, capacity == length."""
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None = None) -> None:
+        """Hold exactly these slots (after a compression): the buffer becomes them, capacity == length;
+        ``visible`` (B, Hkv, K) marks their padding (None: none)."""
         self._k, self._v = keys.contiguous(), values.contiguous()
         self.length = keys.shape[-2]
+        self._vis = None if visible is None else visible.contiguous()
         self._sync_views()
 
     def get_seq_length(self) -> int:
@@ -216,7 +291,9 @@ class CompactCache(HotOnly, Cache):
         for mine, theirs in zip(out.layers, self.layers, strict=True):
             if theirs.is_initialized:
                 mine.lazy_initialization(theirs.keys, theirs.values)
-                mine.replace(theirs.keys.clone(), theirs.values.clone())  # (B, Hkv, length, D) each
+                vis = theirs.visible
+                mine.replace(theirs.keys.clone(), theirs.values.clone(),  # (B, Hkv, length, D) each
+                             None if vis is None else vis.clone())
 
     def replace_all(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Every layer holds exactly its slice of ``keys``/``values`` (L, B, Hkv, K, D): one storage for all."""
@@ -232,9 +309,13 @@ class PlainDynamicCache(HotOnly, DynamicCache):
         return False
 
 
-def set_layer(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Store compressed keys/values in any supported cache layer."""
+def set_layer(layer, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None = None) -> None:
+    """Store compressed keys/values in any supported cache layer; ``visible`` marks padding slots, which only the
+    compact layers can hide from attention."""
     if isinstance(layer, CompactLayer):
-        layer.replace(keys, values)
+        layer.replace(keys, values, visible)
+    elif visible is not None:
+        raise ConfigError("cache", "dynamic", "heads keeping different numbers of slots (an uneven allocator) "
+                          "need the 'compact' cache")
     else:
         layer.keys, layer.values = keys, values

@@ -4,7 +4,8 @@ A compression reads the conversation's memory (:meth:`~snapkv_sessions.cache.Hot
 or hot and cold together on a tiered cache), asks the policy's scorer (:mod:`snapkv_sessions.scorers`) to rank
 every layer's history slots, takes the shared top-k with the pins forced in and the window kept, and hands the
 chosen slots back to the memory (:meth:`~snapkv_sessions.cache.HotOnly.keep`). How many slots each layer keeps
-is the budget allocation (:func:`~snapkv_sessions.press.layer_budgets`: uniform or pyramid).
+is the budget allocation: per layer (:func:`~snapkv_sessions.press.layer_budgets`: uniform or pyramid), then
+among the layer's heads (the policy's allocator, :mod:`snapkv_sessions.allocate`: even, or AdaKV's split).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .allocate import Allocator, Uniform, build_allocator
 from .attention import WindowProbe
-from .cache import History
+from .cache import History, first_slots
 from .config import CompressionConfig
 from .errors import ConfigError
 from .press import history_room, layer_budgets
@@ -86,7 +88,10 @@ def compress(state: KVState, cfg: CompressionConfig, probe: WindowProbe, layout:
     # layer and head holds all of them: the host count is the count of every head
     rule = KeepRule(window, keep_mask, grow=cfg.pin_overflow == "grow",
                     n_pinned=int(keep_host[: state.next_position - window].sum()))
+    allocator = build_allocator(cfg.allocator, cfg.allocator_params)
+    uneven = not isinstance(allocator, Uniform)
     chosen: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, K) slots to keep
+    visible: dict[int, torch.Tensor] = {}  # layer -> (B, Hkv, K) False at padding, where the heads keep uneven counts
     t0 = time.perf_counter()
     for layer in range(layout.num_layers):
         length = history.positions[layer].shape[-1]
@@ -94,9 +99,12 @@ def compress(state: KVState, cfg: CompressionConfig, probe: WindowProbe, layout:
             raise ConfigError("probe", f"layer {layer}", "was recorded on another cache length; compress "
                               "right after the prefill that observed")
         if length > budgets[layer]:
-            chosen[layer] = _select(history, probe, scorer, rule, layer, budgets[layer], observer)  # (B, Hkv, K)
+            chosen[layer] = _select(history, probe, scorer, rule, layer, budgets[layer], allocator,
+                                    observer)  # (B, Hkv, K)
+            if uneven or history.visible(layer) is not None:
+                visible[layer] = first_slots(chosen[layer])  # a repeated slot is a head's padding
     t1 = time.perf_counter()
-    if state.cache.keep(state, chosen):  # a cache that fits every budget is left alone, and costs nothing
+    if state.cache.keep(state, chosen, visible):  # a cache that fits every budget is left alone, and costs nothing
         report.select_ms = (t1 - t0) * 1e3
         report.gather_ms = (time.perf_counter() - t1) * 1e3
     _fill_report(report, state, probe, mass, layout)
@@ -106,9 +114,10 @@ def compress(state: KVState, cfg: CompressionConfig, probe: WindowProbe, layout:
 
 
 def _select(history: History, probe: WindowProbe, scorer: Scorer, rule: KeepRule, layer: int, budget: int,
-            observer: Callable[[Selection], None] | None) -> torch.Tensor:
-    """Sorted slot indices to keep in one layer, (B, Hkv, K): the shared top-k. No host synchronisation."""
-    chosen = select_layer(scorer, probe.scores[layer], history, layer, budget, rule)  # (B, Hkv, K)
+            allocator: Allocator, observer: Callable[[Selection], None] | None) -> torch.Tensor:
+    """Sorted slot indices to keep in one layer, (B, Hkv, K): the shared top-k. No host synchronisation unless
+    the heads keep uneven counts (the largest is read once)."""
+    chosen = select_layer(scorer, probe.scores[layer], history, layer, budget, rule, allocator)  # (B, Hkv, K)
     if observer is not None:
         scores = scorer.score(probe.scores[layer], history, layer)  # (B, Hkv, T - W), as the top-k saw them
         observer(Selection(layer, history.positions[layer], scores, chosen, rule.keep_mask))
@@ -118,19 +127,21 @@ def _select(history: History, probe: WindowProbe, scorer: Scorer, rule: KeepRule
 def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, mass: torch.Tensor | None,
                  layout: Layout) -> None:
     """Per-layer counts for the report, read from the device in one transfer after all layers are done."""
-    report.tokens_after = state.cache_lengths()
-    report.kept = [[n] * layout.num_kv_heads for n in report.tokens_after]
+    report.tokens_after = state.cache_lengths()  # slots held, padding included (what the memory costs)
     pinned = state.pinned.to(layout.device)  # (N,)
-    new = torch.stack([(p[0] >= probe.turn_start).sum(-1) for p in state.positions])  # (L, Hkv)
-    held = torch.stack([pinned[p[0]].sum(-1).min() for p in state.positions])  # (L,) fewest pins over heads
+    held_pos = [p[0] for p in state.held()]  # per layer (Hkv, K), -1 at padding
+    real = torch.stack([(p >= 0).sum(-1) for p in held_pos])  # (L, Hkv) real slots per head
+    new = torch.stack([(p >= probe.turn_start).sum(-1) for p in held_pos])  # (L, Hkv)
+    held = torch.stack([(pinned[p.clamp(min=0)] & (p >= 0)).sum(-1).min() for p in held_pos])  # (L,) fewest pins
     # counts stay below 2**24, so float32 carries them exactly alongside the attention mass
-    parts = [new.flatten().float(), held.float()]
+    parts = [real.flatten().float(), new.flatten().float(), held.float()]
     if mass is not None:
         parts.append(mass.float().reshape(1))
     values = torch.cat(parts).tolist()
-    n_new = new.numel()
-    report.kept_new = [[int(v) for v in values[i : i + new.shape[1]]] for i in range(0, n_new, new.shape[1])]
-    report.pinned_kept = int(min(values[n_new : n_new + held.numel()]))
+    n, heads = new.numel(), new.shape[1]
+    report.kept = [[int(v) for v in values[i : i + heads]] for i in range(0, n, heads)]
+    report.kept_new = [[int(v) for v in values[i : i + heads]] for i in range(n, 2 * n, heads)]
+    report.pinned_kept = int(min(values[2 * n : 2 * n + held.numel()]))
     report.history_attention = values[-1] if mass is not None else None
     report.kv_bytes_after = state.kv_bytes()
 

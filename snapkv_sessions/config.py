@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import ConfigError
+from .errors import ConfigError, bounded_repr
 
 BUILTIN_SCORERS = ("snapkv", "streaming")  # registered by snapkv_sessions.scorers when it is imported
 
@@ -74,6 +74,15 @@ class CompressionConfig(BaseModel):
     span_unit:
         What ``span_aware`` keeps whole: ``"word"`` (default), ``"line"`` (a record of a listing, a table row, a
         line of JSON or code) or ``"sentence"``.
+    allocator:
+        How a layer's budget is shared among its KV heads, a key in
+        :data:`snapkv_sessions.allocate.ALLOCATORS`: ``"uniform"`` (default: every head keeps the budget) or
+        ``"adakv"`` (Ada-KV: the layer's slots go to the best scores across its heads, each head keeping a floor;
+        heads then hold different numbers of slots), or one added with
+        :func:`~snapkv_sessions.allocate.register_allocator`. Applies to every scorer and to both strategies.
+    allocator_params:
+        The allocator's own parameters, checked by it (``adakv``: ``floor``, the share of the budget every head
+        keeps, default 0.2).
     pin_overflow:
         What happens when the pinned positions alone exceed a layer's history budget: ``"error"`` raises
         :class:`~snapkv_sessions.errors.BudgetError`; ``"grow"`` keeps every pinned position and grows that
@@ -96,6 +105,8 @@ class CompressionConfig(BaseModel):
     span_aware: bool = False
     span_unit: Literal["word", "line", "sentence"] = "word"
     scorer: str = "snapkv"
+    allocator: str = "uniform"
+    allocator_params: dict[str, float | int | str | bool] = {}
 
     @property
     def base_scorer(self) -> str:
@@ -111,13 +122,27 @@ class CompressionConfig(BaseModel):
                              "snapkv_sessions.scorers.register_scorer before building the config)")
         return name
 
+    @field_validator("allocator")
+    @classmethod
+    def _allocator_registered(cls, name: str) -> str:
+        from .allocate import ALLOCATORS  # torch-free at import
+
+        if name not in ALLOCATORS:
+            raise ValueError(f"unknown allocator {name!r}; registered: {sorted(ALLOCATORS)} (register one with "
+                             "snapkv_sessions.allocate.register_allocator before building the config)")
+        return name
+
     @model_serializer(mode="wrap")
-    def _default_scorer_unsaid(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+    def _defaults_unsaid(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
         # A policy's canonical JSON (and so its sha256, stored with every session) stays what it was before
-        # the scorer field existed unless a policy names another scorer.
+        # the scorer and allocator fields existed unless a policy names another scorer or allocator.
         data = handler(self)
         if self.scorer == "snapkv":
             data.pop("scorer", None)
+        if self.allocator == "uniform":
+            data.pop("allocator", None)
+        if not self.allocator_params:
+            data.pop("allocator_params", None)
         return data
 
     @model_validator(mode="before")
@@ -147,6 +172,12 @@ class CompressionConfig(BaseModel):
         if self.method == "streaming" and self.scorer not in ("snapkv", "streaming"):
             raise ValueError(f"scorer={self.scorer!r} conflicts with method='streaming', which selects the "
                              "'streaming' scorer; set only one of them")
+        from .allocate import build_allocator
+
+        try:  # the allocator checks its own parameters; its ConfigError names the one at fault
+            build_allocator(self.allocator, self.allocator_params)
+        except ConfigError as exc:
+            raise ValueError(f"{exc.param}={bounded_repr(exc.value)} {exc.reason}") from None
         return self
 
     @classmethod
@@ -169,7 +200,19 @@ def _config_error(exc: ValidationError, given: dict[str, object]) -> ConfigError
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
-    if not loc:  # a model-level validator: name the field its message starts with
-        loc = msg.split("=", 1)[0] if "=" in msg.split(" ", 1)[0] else "compression"
     value = given.get(loc, err.get("input"))
+    if not loc:  # a model-level validator: name the field its message starts with ("field=value: reason")
+        head = msg.split(" ", 1)[0]
+        loc = msg.split("=", 1)[0] if "=" in head else "compression"
+        value = _dotted(given, loc, value)
     return ConfigError(loc, value, msg)
+
+
+def _dotted(given: dict[str, object], path: str, default: object) -> object:
+    """``given["a"]["b"]`` for ``path`` "a.b", or ``default`` when the input has no such entry."""
+    value: object = given
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value

@@ -22,6 +22,7 @@ from .config import CompressionConfig
 from .errors import BudgetError
 
 if TYPE_CHECKING:
+    from .allocate import Allocator
     from .state import KVState
 
 
@@ -133,7 +134,7 @@ def streaming_positions(length: int, budget: int, sinks: int, bsz: int, n_kv: in
 
 def select_positions(
     scores: torch.Tensor, keep: int, window: int, pinned: torch.Tensor | None, grow: bool, layer: int,
-    n_pinned: int | None = None,
+    n_pinned: int | None = None, allocator: Allocator | None = None, allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cache slots to keep: top-``keep`` history slots per KV head, pins forced in, plus the window.
 
@@ -145,10 +146,15 @@ def select_positions(
     grow : keep every pin even past ``keep`` (else raise :class:`BudgetError`)
     n_pinned : the most pinned slots any head has, when the caller knows it on the host (the engine does);
         None counts them on the device, which makes the host wait for it
+    allocator : shares the layer's ``Hkv * keep`` slots among its heads (:mod:`snapkv_sessions.allocate`);
+        None: every head keeps ``keep``
+    allowed : (B, Hkv, P) bool, the slots a head may keep (False: padding of an earlier uneven split), or None
 
     Returns
     -------
-    (B, Hkv, K') long, sorted slot indices into the layer's cache, K' = max(keep, pins) + W.
+    (B, Hkv, K') long, sorted slot indices into the layer's cache, K' = max(keep, pins) + W. When the heads keep
+    different numbers of slots, K' is the most any head keeps (plus W), and a head that keeps fewer repeats its
+    best slot in the rest: a repeated index is padding (:func:`snapkv_sessions.cache.first_slots`).
     """
     bsz, n_kv, hist = scores.shape
     if pinned is not None:
@@ -163,7 +169,18 @@ def select_positions(
                 )
             keep = n_pinned
         scores = scores.masked_fill(pinned, float("inf"))  # (B, Hkv, P)
-    top = scores.topk(keep, dim=-1).indices  # (B, Hkv, keep)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))  # (B, Hkv, P) padding is never kept
+    counts = allocator.counts(scores, keep) if allocator is not None else None  # (B, Hkv) or None
+    if counts is None and allowed is None:
+        top = scores.topk(keep, dim=-1).indices  # (B, Hkv, keep)
+    else:  # uneven heads: each head's best counts[h] slots, padded with its best one
+        if counts is None:
+            counts = torch.full(scores.shape[:2], keep, dtype=torch.long, device=scores.device)  # (B, Hkv)
+        best = scores.topk(min(int(counts.max()), hist), dim=-1)  # (B, Hkv, K) the one host read of the split
+        rank = torch.arange(best.indices.shape[-1], device=scores.device)  # (K,)
+        real = (rank < counts[..., None]) & (best.values > float("-inf"))  # (B, Hkv, K)
+        top = torch.where(real, best.indices, best.indices[..., :1])  # (B, Hkv, K)
     recent = torch.arange(hist, hist + window, device=scores.device).expand(bsz, n_kv, window)  # (B, Hkv, W)
     return torch.cat([top, recent], dim=-1).sort(dim=-1).values  # (B, Hkv, keep + W)
 

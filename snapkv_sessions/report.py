@@ -59,8 +59,10 @@ class CompressionReport:
         return self.score_ms + self.select_ms + self.gather_ms
 
     def retention(self) -> dict:
-        """Per-layer tokens kept and their share of the context (the turn record's ``retention``)."""
-        shares = [a / self.context_tokens for a in self.tokens_after]
+        """Per-layer tokens kept and their share of the context (the turn record's ``retention``). The shares count
+        each head's real slots (mean over heads), not the padding of heads keeping uneven counts."""
+        held = [sum(heads) / len(heads) for heads in self.kept] if self.kept else self.tokens_after
+        shares = [a / self.context_tokens for a in held]
         return {"tokens_after": self.tokens_after, "budgets": self.budgets, "min_share": round(min(shares), 4),
                 "max_share": round(max(shares), 4)}
 

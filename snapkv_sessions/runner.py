@@ -39,14 +39,15 @@ from .transcript import TurnPlan, observation_window, to_ranges
 class Forward:
     """One forward of the model: ``input_ids``/``position_ids`` (B, n) at true positions, over ``cache``.
 
-    ``probe``: record the window's attention (a turn's last prefill chunk); ``key_masks``: per layer the keys each
-    row may see ``(B, 1, 1, T)``, filled by the cache as each layer runs (padded slots of a batched step)."""
+    ``probe``: record the window's attention (a turn's last prefill chunk); ``key_masks``: ``key_masks.get(l)`` is
+    layer ``l``'s keys each row (and KV head) may see, ``(B, 1 or Hkv, 1, T)``, read from the cache as each layer
+    runs (the padded slots of a batched step, the padding of heads that keep uneven counts)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     cache: object
     probe: WindowProbe | None = None
-    key_masks: dict | None = None
+    key_masks: object | None = None  # .get(layer) -> (B, 1 or Hkv, 1, T) bool or None
 
 
 class Executor(Protocol):
@@ -244,11 +245,12 @@ class ModelRunner:
         start = state.next_position
         input_ids = torch.tensor([ids], device=self.device)  # (1, n)
         position_ids = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n) true positions
+        masks = state.cache.key_masks()  # a layer whose heads keep uneven counts hides its padding slots
         if whole:
             with state.cache.attending(state):
-                logits = self.forward(Forward(input_ids, position_ids, state.cache, probe))  # (1, V)
+                logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks))  # (1, V)
         else:
-            logits = self.forward(Forward(input_ids, position_ids, state.cache, probe))  # (1, V)
+            logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks))  # (1, V)
         return logits[0]  # (V,)
 
     @torch.inference_mode()
@@ -354,7 +356,7 @@ class ModelRunner:
             protect = protect_mask(state, plan.protect, compression, self.num_layers, probe.window)
             result.report = self.compress(state, compression, probe, protect)
             result.protect_applied = protect is not None
-            result.kept = list(state.positions)  # decode rebinds positions[l], so these stay as compressed
+            result.kept = state.held()  # decode rebinds positions[l], so these stay as compressed (-1: padding)
         state.cache.prefill_done(state)
         return TurnRun(self, state, logits, gen, forced, result)
 

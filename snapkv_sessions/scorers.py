@@ -23,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from .allocate import Allocator
 from .cache import History
 from .config import BUILTIN_SCORERS, CompressionConfig
 from .errors import ConfigError
@@ -125,10 +126,11 @@ class KeepRule:
 
 
 def select_layer(scorer: Scorer, window_probs: torch.Tensor, state: History, layer: int, budget: int,
-                 rule: KeepRule) -> torch.Tensor:
+                 rule: KeepRule, allocator: Allocator | None = None) -> torch.Tensor:
     """Sorted slots of ``layer`` to keep, (B, Hkv, K): the scorer's top history slots, pins forced in, + window.
 
-    ``budget`` is the layer's budget, window included. No host synchronisation when ``rule.n_pinned`` is set.
+    ``budget`` is the layer's budget, window included; ``allocator`` shares it among the heads (None: evenly).
+    No host synchronisation when ``rule.n_pinned`` is set and the heads keep even counts.
     """
     positions = state.positions[layer]  # (B, Hkv, T)
     hist = positions.shape[-1] - rule.window
@@ -138,8 +140,11 @@ def select_layer(scorer: Scorer, window_probs: torch.Tensor, state: History, lay
                           f"{tuple(scores.shape)} for layer {layer}; expected (B, Hkv, T - W) = "
                           f"{(*positions.shape[:2], hist)}")
     pinned = rule.keep_mask[positions[..., :hist]]  # (B, Hkv, T - W)
+    padding = getattr(state, "visible", None)  # a History's; a bare state (the older call form) has no padding
+    visible = padding(layer) if padding is not None else None  # (B, Hkv, T) False at padding slots, or None
+    allowed = None if visible is None else visible[..., :hist]  # (B, Hkv, T - W)
     return select_positions(scores, budget - rule.window, rule.window, pinned, rule.grow, layer,
-                            rule.n_pinned)  # (B, Hkv, K)
+                            rule.n_pinned, allocator, allowed)  # (B, Hkv, K)
 
 
 # ---------------------------------------------------------------- scorers

@@ -314,7 +314,7 @@ class Session(SessionMessages):
     def _assess(self, query: str) -> Assessment:
         if not self.state.positions:
             return Assessment(None, None, [])
-        kept = [p[0].cpu().numpy() for p in self.state.positions]
+        kept = [p[0].cpu().numpy() for p in self.state.held()]  # -1: padding, never evidence
         return self.drift.assess(query, self.transcript.text, self.transcript.char_pos, kept)
 
     # ------------------------------------------------------------------ replay / sync

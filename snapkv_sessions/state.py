@@ -64,8 +64,17 @@ class KVState:
         return sum(lay.keys.numel() * lay.keys.element_size() * 2 for lay in self.cache.layers)
 
     def kept_positions(self, layer: int, head: int, batch: int = 0) -> list[int]:
-        """True positions held by one layer and KV head."""
-        return self.positions[layer][batch, head].tolist()
+        """True positions held by one layer and KV head (its padding slots left out)."""
+        return [p for p in self.held()[layer][batch, head].tolist() if p >= 0]
+
+    def held(self) -> list[torch.Tensor]:
+        """``positions[l]`` (B, Hkv, T_l) with -1 at the padding slots of heads that keep fewer slots than their
+        layer's busiest head (:mod:`snapkv_sessions.allocate`): what the turn records, the audit and drift read."""
+        out = []
+        for pos, lay in zip(self.positions, self.cache.layers, strict=False):
+            visible = getattr(lay, "visible", None)  # (B, Hkv, T_l) bool or None
+            out.append(pos if visible is None else pos.masked_fill(~visible, -1))
+        return out
 
     def clone(self) -> KVState:
         """An independent copy (a fork's): the hot cache copied, a tier's cold layers shared

@@ -56,12 +56,16 @@ class TierStats:
 class ColdLayer:
     """One layer's evicted slots, in host memory.
 
-    keys, values: (B, Hkv, C, D); positions: (B, Hkv, C) long, the true position of every slot, sorted.
+    keys, values: (B, Hkv, C, D); positions: (B, Hkv, C) long, the true position of every slot, sorted. Where the
+    heads evicted different numbers of slots, C is the most any head evicted and a head that evicted fewer repeats
+    a slot of its own history (the same true position and keys and values, so the union is unchanged); ``padded``
+    says so.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    padded: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +117,7 @@ def _spread(slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> 
 
 
 def union(hot_keys: torch.Tensor, hot_values: torch.Tensor, hot_positions: torch.Tensor, cold: ColdLayer | None,
-          stats: TierStats) -> tuple[torch.Tensor, torch.Tensor]:
+          stats: TierStats, history: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's whole history in true-position order, plus the slots a forward just appended.
 
     Parameters
@@ -121,19 +125,21 @@ def union(hot_keys: torch.Tensor, hot_values: torch.Tensor, hot_positions: torch
     hot_keys, hot_values : (B, Hkv, H + n, D): the hot slots, then ``n`` slots appended by this forward
     hot_positions : (B, Hkv, H) true positions of the first H hot slots
     cold : the layer's cold slots (B, Hkv, C, ...), or None
+    history : N, the true positions hot and cold hold; None: H + C (every slot a distinct position). Padding slots
+        (heads keeping uneven counts) repeat a position with its own keys and values, so writing them is harmless.
 
     Returns
     -------
-    keys, values (B, Hkv, H + C + n, D): slot ``p`` holds true position ``p`` for p < H + C (hot and cold
-    together hold every position of the history exactly once), then the ``n`` new slots. A transient buffer:
-    only the layer being computed holds one.
+    keys, values (B, Hkv, N + n, D): slot ``p`` holds true position ``p`` for p < N (hot and cold together hold
+    every position of the history), then the ``n`` new slots. A transient buffer: only the layer being computed
+    holds one.
     """
     held = hot_positions.shape[-1]
     n_cold = 0 if cold is None else cold.positions.shape[-1]
     bsz, heads, total, dim = hot_keys.shape
-    out_k = hot_keys.new_empty(bsz, heads, total + n_cold, dim)  # (B, Hkv, H + C + n, D)
-    out_v = hot_values.new_empty(bsz, heads, total + n_cold, hot_values.shape[-1])
-    hist = held + n_cold
+    hist = held + n_cold if history is None else history
+    out_k = hot_keys.new_empty(bsz, heads, hist + total - held, dim)  # (B, Hkv, N + n, D)
+    out_v = hot_values.new_empty(bsz, heads, hist + total - held, hot_values.shape[-1])
     _spread(hot_keys[:, :, :held], hot_positions, out_k)
     _spread(hot_values[:, :, :held], hot_positions, out_v)
     if cold is not None:
@@ -185,7 +191,7 @@ class ColdStream:
         else:
             with torch.cuda.stream(self.side):
                 moved = ColdLayer(*(t.to(self.device, non_blocking=True) for t in (part.keys, part.values,
-                                                                                 part.positions)))
+                                                                                 part.positions)), part.padded)
                 event = torch.cuda.Event()
                 event.record(self.side)
             self.ready[layer] = (moved, event)
@@ -198,12 +204,17 @@ class TieredLayer(CompactLayer):
     new slots (:func:`union`), a transient buffer dropped after the layer runs."""
 
     whole: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    _union = False  # the last update returned the union (every position once: no padding to hide)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)  # (B, Hkv, H + n, D) hot
-        if self.whole is not None:
+        self._union = self.whole is not None
+        if self._union:
             return self.whole(keys, values)  # (B, Hkv, N + n, D)
         return keys, values
+
+    def key_mask(self) -> torch.Tensor | None:
+        return None if self._union else super().key_mask()
 
 
 class TieredCache(CompactCache):
@@ -307,7 +318,8 @@ class TieredCache(CompactCache):
         """Move the layer's whole history below ``start`` to the cold tier (every head holds all of it) and
         empty its hot slots; the slots at ``start`` and after are dropped."""
         lay = self.layers[layer]
-        keys, values = union(lay.keys, lay.values, state.positions[layer], self.cold.layers[layer], self.cold.stats)
+        keys, values = union(lay.keys, lay.values, state.positions[layer], self.cold.layers[layer], self.cold.stats,
+                             state.next_position)
         pin = keys.device.type == "cuda"
         bsz, heads = keys.shape[:2]
         positions = torch.arange(start, device=keys.device).expand(bsz, heads, start)  # (B, Hkv, start)
@@ -346,31 +358,34 @@ class TieredCache(CompactCache):
         return History(positions, state.token_ids, state.pinned, state.next_position, _Merged(self, state),
                        state.kv_bytes() + self.cold.nbytes)
 
-    def keep(self, state, chosen: dict[int, torch.Tensor]) -> bool:
+    def keep(self, state, chosen: dict[int, torch.Tensor], visible: dict[int, torch.Tensor] | None = None) -> bool:
         """Hot becomes the chosen true positions of each layer (all of them where a layer fits its budget); cold
-        becomes the rest, moved to host memory. Returns whether anything changed."""
+        becomes the rest, moved to host memory. ``visible[l]`` (B, Hkv, K) marks the real slots of a layer whose
+        heads keep uneven counts (False: padding). Returns whether anything changed."""
         if not chosen and not self.cold.nbytes:
             return False  # nothing evicted and nothing cold: the hot cache already holds every position in order
+        visible = visible or {}
         merged = _Merged(self, state)
         for layer, lay in enumerate(self.layers):
             keys, values = merged(layer)  # (B, Hkv, N, D)
             idx = chosen.get(layer)
             if idx is None:  # the layer fits: every position back to hot
                 idx = torch.arange(keys.shape[2], device=keys.device).expand(*keys.shape[:2], -1)  # (B, Hkv, N)
-            self.cold.stats.recalled += self._recalled(layer, idx, keys.shape[:3])
+            real = visible.get(layer)  # (B, Hkv, K) or None: every slot real
+            self.cold.stats.recalled += self._recalled(layer, idx, keys.shape[:3], real)
             rows = idx[..., None].expand(-1, -1, -1, keys.shape[-1])  # (B, Hkv, K, D)
-            lay.replace(keys.gather(2, rows), values.gather(2, rows))
+            lay.replace(keys.gather(2, rows), values.gather(2, rows), real)
             state.positions[layer] = idx
-            self.cold.layers[layer] = _evicted(keys, values, idx)
+            self.cold.layers[layer] = _evicted(keys, values, idx, real is not None)
         merged.release()
         return True
 
-    def _recalled(self, layer: int, chosen: torch.Tensor, shape: torch.Size) -> int:
-        """Slots of ``chosen`` that came back from cold: held before the turn, and not hot then."""
+    def _recalled(self, layer: int, chosen: torch.Tensor, shape: torch.Size, real: torch.Tensor | None) -> int:
+        """Slots of ``chosen`` that came back from cold: held before the turn, and not hot then (padding aside)."""
         before = self.cold.hot_at_start
         if layer >= len(before):  # the first turn: nothing was held
             return 0
-        return _recalled_count(before[layer], self.cold.history_at_start, chosen, shape)
+        return _recalled_count(before[layer], self.cold.history_at_start, chosen, shape, real)
 
     def tier_report(self, state) -> dict:
         return {**self.cold.stats.to_dict(), "hot_bytes": state.kv_bytes(), "cold_bytes": self.cold.nbytes}
@@ -395,35 +410,52 @@ class _Merged:
             self._memo = None  # release the previous layer's buffer before building this one
             lay = self.cache.layers[layer]
             self._memo = (layer, union(lay.keys, lay.values, self.state.positions[layer], self._stream.take(layer),
-                                       self.cache.cold.stats))
+                                       self.cache.cold.stats, self.state.next_position))
         return self._memo[1]
 
     def release(self) -> None:
         self._memo = None
 
 
-def _recalled_count(hot_before: torch.Tensor, history: int, chosen: torch.Tensor, shape: torch.Size) -> int:
-    """How many ``chosen`` (B, Hkv, K) true positions below ``history`` were not among ``hot_before``."""
+def _recalled_count(hot_before: torch.Tensor, history: int, chosen: torch.Tensor, shape: torch.Size,
+                    real: torch.Tensor | None = None) -> int:
+    """How many ``chosen`` (B, Hkv, K) true positions below ``history`` were not among ``hot_before``; ``real``
+    (B, Hkv, K) leaves padding slots out (a repeated slot is counted once)."""
     was_hot = torch.zeros(shape, dtype=torch.bool, device=chosen.device)  # (B, Hkv, N)
     was_hot.scatter_(-1, hot_before.to(chosen.device), True)
     was_hot[..., history:] = True  # this turn's tokens were never cold
-    return int((~was_hot.gather(-1, chosen)).sum())
+    back = ~was_hot.gather(-1, chosen)  # (B, Hkv, K)
+    return int((back if real is None else back & real).sum())
 
 
-def _evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor) -> ColdLayer | None:
+def _evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, uneven: bool = False) -> ColdLayer | None:
     """The slots of ``keys``/``values`` (B, Hkv, N, D) not in ``kept`` (B, Hkv, K), as a host :class:`ColdLayer`.
 
-    Every head keeps K slots, so every head evicts N - K: the cold part stays a dense tensor.
+    When every head keeps K slots, every head evicts N - K: the cold part is a dense tensor. When the heads keep
+    uneven counts (``uneven``: ``kept`` repeats slots as padding), each head's evicted slots are padded up to the
+    most any head evicted by repeating its first slot in true-position order (the union is unchanged by it).
     """
     bsz, heads, total, dim = keys.shape
-    if kept.shape[-1] == total:
+    if not uneven and kept.shape[-1] == total:
         return None
     gone = torch.ones(bsz, heads, total, dtype=torch.bool, device=keys.device)  # (B, Hkv, N)
     gone.scatter_(-1, kept, False)
-    pos = gone.nonzero()[:, 2].view(bsz, heads, total - kept.shape[-1])  # (B, Hkv, C) sorted per head
+    if not uneven:
+        pos = gone.nonzero()[:, 2].view(bsz, heads, total - kept.shape[-1])  # (B, Hkv, C) sorted per head
+    else:
+        n_gone = gone.sum(-1)  # (B, Hkv)
+        width = int(n_gone.max())  # the one host read of the uneven split
+        if width == 0:
+            return None
+        # evicted positions first (in order), then the kept ones: the first `width` of each head, padding being
+        # repeats of the head's first evicted position (or of position 0 where a head evicted nothing)
+        order = torch.sort((~gone).to(torch.int8), dim=-1, stable=True).indices[..., :width]  # (B, Hkv, C)
+        slot = torch.arange(width, device=keys.device)  # (C,)
+        pos = torch.where(slot < n_gone[..., None], order, order[..., :1])  # (B, Hkv, C)
+        pos = pos.sort(dim=-1).values  # (B, Hkv, C) sorted, a repeat beside its original
     rows = pos[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, C, D)
     pin = keys.device.type == "cuda"
-    return ColdLayer(_host(keys.gather(2, rows), pin), _host(values.gather(2, rows), pin), _host(pos, pin))
+    return ColdLayer(_host(keys.gather(2, rows), pin), _host(values.gather(2, rows), pin), _host(pos, pin), uneven)
 
 
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -433,12 +465,24 @@ def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return t.to("cpu", non_blocking=False).pin_memory() if pin else t.cpu()
 
 
+def _covered(hot: torch.Tensor, part: ColdLayer | None, history: int) -> int:
+    """The fewest of the ``history`` true positions any head holds in hot (B, Hkv, H) or cold, counted once."""
+    seen = torch.zeros(*hot.shape[:2], history, dtype=torch.bool, device=hot.device)  # (B, Hkv, N)
+    seen.scatter_(-1, hot, True)
+    if part is not None:
+        seen.scatter_(-1, part.positions.to(hot.device), True)
+    return int(seen.sum(-1).min()) if history else 0
+
+
 def _attend(keys: torch.Tensor, values: torch.Tensor, *, positions: torch.Tensor, stream: ColdStream, layer: int,
             history: int) -> tuple[torch.Tensor, torch.Tensor]:
     cold = stream.cold
     part = stream.take(layer)
-    held = positions.shape[-1] + (0 if part is None else part.positions.shape[-1])
+    if part is not None and part.padded:  # uneven heads: count what hot and cold cover, position by position
+        held = _covered(positions, part, history)
+    else:
+        held = positions.shape[-1] + (0 if part is None else part.positions.shape[-1])
     if held != history:  # hot and cold must hold every position once: never attend to an unfilled buffer
         raise RuntimeError(f"layer {layer}: hot and cold hold {held} slots of a {history}-token history "
                            f"(the tier was changed during the turn: {cold.lost or 'no reason recorded'})")
-    return union(keys, values, positions, part, cold.stats)  # (B, Hkv, N + n, D) each
+    return union(keys, values, positions, part, cold.stats, history)  # (B, Hkv, N + n, D) each

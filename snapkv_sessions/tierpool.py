@@ -153,7 +153,9 @@ def _unspill(cold: ColdKV) -> None:
     tensors = load_file(str(path))
     for i in range(len(cold.layers)):
         if f"{i}.keys" in tensors:
-            cold.layers[i] = ColdLayer(tensors[f"{i}.keys"], tensors[f"{i}.values"], tensors[f"{i}.positions"])
+            pos = tensors[f"{i}.positions"]  # (B, Hkv, C); a repeated position is an uneven split's padding
+            cold.layers[i] = ColdLayer(tensors[f"{i}.keys"], tensors[f"{i}.values"], pos,
+                                       bool((pos[..., 1:] == pos[..., :-1]).any()))
     path.unlink(missing_ok=True)
 
 

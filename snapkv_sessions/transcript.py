@@ -400,11 +400,12 @@ class Transcript:
     def kept_per_role(self, kept: list[np.ndarray], context: int, roles: dict[int, str]) -> dict[str, float]:
         """Share of each role's first ``context`` positions still held, averaged over layers and KV heads.
 
-        ``kept[l]`` is (Hkv, K) true positions; a seq missing from ``roles`` is the reply being written.
+        ``kept[l]`` is (Hkv, K) true positions, -1 at padding slots (heads keeping uneven counts); a seq missing
+        from ``roles`` is the reply being written.
         """
         owner_role = np.concatenate([np.full(min(b, context) - a, ROLES.index(roles.get(s, "assistant")))
                                      for s, a, b in self.runs if a < context])  # (context,)
         total = np.bincount(owner_role, minlength=len(ROLES)).astype(float)
-        held = sum(np.bincount(owner_role[k.reshape(-1)], minlength=len(ROLES)) for k in kept) / (
+        held = sum(np.bincount(owner_role[k[(k >= 0) & (k < context)]], minlength=len(ROLES)) for k in kept) / (
             len(kept) * kept[0].shape[0])
         return {r: round(float(held[i] / total[i]), 4) for i, r in enumerate(ROLES) if total[i] > 0}

@@ -91,3 +91,32 @@ def reference_selection(attn_rows: list[torch.Tensor], window: int, kernel: int,
             layer_keep.append(top + list(range(hist, t_len)))
         out.append(layer_keep)
     return out
+
+
+def reference_adakv(attn_rows: list[torch.Tensor], window: int, kernel: int, keep: int, num_kv_heads: int,
+                    floor: float) -> list[list[list[int]]]:
+    """Ada-KV's kept slots per layer and KV head (Feng et al., 2024, arXiv:2407.11550, as kvpress's AdaKVPress
+    splits), from full eager attention maps with plain loops: SnapKV scores (window mean, avg pooling, mean over
+    each GQA group); each head first keeps its own best ``max(1, floor(keep * floor))``; the rest of the layer's
+    ``Hkv * keep`` slots go to the best remaining scores over all heads; the window is kept outright."""
+    out = []
+    for attn in attn_rows:
+        n_q, t_len, _ = attn.shape
+        hist = t_len - window
+        win_mean = attn[:, t_len - window :, :hist].mean(dim=1)  # (Hq, P)
+        half = kernel // 2
+        pooled = torch.stack([win_mean[:, max(0, i - half) : min(hist, i + half + 1)].sum(-1) / kernel
+                              for i in range(hist)], dim=-1)  # (Hq, P)
+        group = n_q // num_kv_heads
+        scores = [pooled[h * group : (h + 1) * group].mean(0).tolist() for h in range(num_kv_heads)]
+        safe = max(1, int(keep * floor))
+        kept: list[set[int]] = []
+        for h in range(num_kv_heads):
+            order = sorted(range(hist), key=lambda i, h=h: -scores[h][i])
+            kept.append(set(order[:safe]))
+        rest = sorted(((scores[h][i], h, i) for h in range(num_kv_heads) for i in range(hist) if i not in kept[h]),
+                      reverse=True)
+        for _, h, i in rest[: num_kv_heads * keep - num_kv_heads * safe]:
+            kept[h].add(i)
+        out.append([sorted(k) + list(range(hist, t_len)) for k in kept])
+    return out

@@ -40,6 +40,12 @@ def test_method_policies():
     # the tiered method is the session with the tier; every other method runs without it
     assert method_policy("tiered", 0.3, 16).tiered and not method_policy("session", 0.3, 16).tiered
     assert method_policy("tiered", 0.3, 16).pins == method_policy("session", 0.3, 16).pins
+    # AdaKV: the snapkv method's and the tiered session's budgets, shared among heads by Ada-KV
+    assert method_policy("adakv", 0.3, 16).compression.allocator == "adakv"
+    assert method_policy("adakv", 0.3, 16).pins == method_policy("snapkv", 0.3, 16).pins
+    tiered_adakv = method_policy("tier-adakv", 0.3, 16)
+    assert tiered_adakv.tiered and tiered_adakv.compression.allocator == "adakv"
+    assert tiered_adakv.pins == method_policy("tiered", 0.3, 16).pins
     every = method_policy("every", 0.3, 16)  # re-prefill every turn: every drift score crosses the threshold
     assert every.drift.threshold == 0.0 and every.recovery.min_turns_between == 0 and not every.tiered
 
@@ -51,7 +57,8 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["items"] == 8
-    assert set(out["summary"]) == {"full", "session", "tiered", "every", "streaming", "snapkv"}
+    assert set(out["summary"]) == {"full", "session", "tiered", "every", "streaming", "snapkv", "adakv",
+                                   "tier-adakv"}
     assert out["summary"]["every"]["agreement_with_every_turn"] == 1.0
     assert out["summary"]["every"]["reprefills"] == 1  # the second turn of the one switch item; the rest are single-turn
 
@@ -68,9 +75,9 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
                                     "--plot", str(png), "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert len(out["rows"]) == 4 * 2 * 5  # 4 tasks x 2 items x (full + 2 budgets x 2 selections)
+    assert len(out["rows"]) == 4 * 2 * 7  # 4 tasks x 2 items x (full + 2 budgets x 3 selections)
     assert set(out["cells"]) == {f"{t}@300/{s}" for t in ("lookup", "multihop", "copy", "rule")
-                                 for s in ("snapkv", "lines")}
+                                 for s in ("snapkv", "lines", "adakv")}
     for cell in out["cells"].values():  # B* is a budget within 2 points of the full cache's accuracy, or None
         star = cell["b_star"]
         assert star is None or cell["accuracy"][str(star)] >= cell["full"] - 0.02

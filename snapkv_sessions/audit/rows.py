@@ -74,6 +74,7 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
             for m in messages:
                 held = int(((head_positions >= m["start"]) & (head_positions < m["end"])).sum())
                 per_msg[m["seq"]] = {"kept": held, "evicted": (m["end"] - m["start"]) - held}
+            head_positions = head_positions[head_positions >= 0]  # -1: padding of heads keeping uneven counts
             head = {"kept_positions": head_positions.tolist(), "per_message": per_msg}
             if before is not None:  # tiered: positions back in hot that the previous turn had sent cold
                 old_context, old_kept = before
@@ -108,5 +109,5 @@ def retention_matrix(store: SessionStore, session_id: str, turn: int) -> tuple[n
     mat = np.zeros((len(kept), context))
     for layer, per_head in enumerate(kept):
         for head_positions in per_head:
-            mat[layer, head_positions[head_positions < context]] += 1.0 / per_head.shape[0]
+            mat[layer, head_positions[(head_positions >= 0) & (head_positions < context)]] += 1.0 / per_head.shape[0]
     return mat, role_at

@@ -24,7 +24,7 @@ from .shift import is_correct, make_scenario
 from .variants import compressed_variants
 
 TASKS = ("lookup", "multihop", "copy", "rule")
-SELECTIONS = ("snapkv", "lines")
+SELECTIONS = ("snapkv", "lines", "adakv")
 
 
 def records_for(tok, target: int) -> int:
@@ -69,6 +69,7 @@ def configs(budgets: list[float], window: int) -> dict[str, CompressionConfig | 
     for b in budgets:
         out[f"snapkv@{b}"] = CompressionConfig.make(budget_ratio=b, window=window)
         out[f"lines@{b}"] = CompressionConfig.make(budget_ratio=b, window=window, span_aware=True, span_unit="line")
+        out[f"adakv@{b}"] = CompressionConfig.make(budget_ratio=b, window=window, allocator="adakv")
     return out
 
 
@@ -161,7 +162,7 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
     for task in TASKS:
-        for selection, style in zip(SELECTIONS, ("-", "--"), strict=True):
+        for selection, style in zip(SELECTIONS, ("-", "--", ":"), strict=True):
             ys = [result["cells"][f"{task}@{n}/{selection}"]["b_star"] for n in result["lengths"]]
             ax.plot(result["lengths"], [1.05 if y is None else y for y in ys], style, marker="o",
                     label=f"{task} ({selection})")

@@ -27,7 +27,7 @@ from .shift import SYSTEM, agreement, first_turn, is_correct, is_degenerate, mak
 RULE = 'Always reply with JSON of the form {"answer": "..."}.'
 COPY_PASS = 0.9  # a copy counts as right when it reproduces at least this share of the line's words, in order
 ROLE_SPLITS = ("system", "developer", "tool_schema", "user", "document")
-METHODS = ("full", "session", "tiered", "every", "streaming", "snapkv")
+METHODS = ("full", "session", "tiered", "every", "streaming", "snapkv", "adakv", "tier-adakv")
 
 
 def method_policy(method: str, ratio: float, window: int) -> Policy:
@@ -48,6 +48,11 @@ def method_policy(method: str, ratio: float, window: int) -> Policy:
         "streaming": {"compression": {**comp, "method": "streaming"}, "pins": no_pins, "drift": {"embedder": "none"},
                       "memory": no_tier},
         "snapkv": {"compression": comp, "pins": no_pins, "drift": {"embedder": "none"}, "memory": no_tier},
+        # the same budgets shared among each layer's heads by Ada-KV (snapkv_sessions.allocate), alone and tiered
+        "adakv": {"compression": {**comp, "allocator": "adakv"}, "pins": no_pins, "drift": {"embedder": "none"},
+                  "memory": no_tier},
+        "tier-adakv": {**session, "compression": {**comp, "allocator": "adakv"},
+                         "memory": {"cold": True, "on_shift": "tier"}},
     }
     return Policy.from_dict({"name": method, **specs[method]})
 
