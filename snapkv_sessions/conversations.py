@@ -7,11 +7,20 @@ messages past that prefix are committed: system-like ones as messages, earlier u
 and the last one (a user or tool message) starts the turn. A list that does not extend the stored conversation
 starts a new session instead of pretending to continue the old one.
 
+Which session a list continues is decided here alone (:func:`resolve` for one candidate session,
+:func:`find_continued` over a caller's sessions by content hash), as a :class:`Resolution`, for the server, the Ray
+ingress and LangChain alike.
+
 This is the framework-neutral part shared by :mod:`snapkv_sessions.integrations.langchain` and
 :mod:`snapkv_sessions.serve`; it imports neither.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Literal
 
 from .chat import Message
 from .errors import ConfigError
@@ -19,7 +28,9 @@ from .generation import cut_at_stop
 from .integrations.openai import TOOL_CALL_OPEN, could_be_tool_call, parse_tool_calls, stored_text, tool_schema_message
 from .session import Session
 from .store import SessionStore
+from .store.hashing import GENESIS, message_hash
 
+SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # a reply's stop reason as OpenAI's finish_reason
 
 
@@ -56,24 +67,77 @@ def stored_keys(store: SessionStore, session_id: str, tools: list[str] | None) -
     return keys
 
 
-def unseen(session: Session | tuple[SessionStore, str], wanted: list[Message],
-           tools: list[str] | None) -> list[Message] | None:
-    """The messages of ``wanted`` past what a session (a Session, or a store and a session id) stored, when that is
-    a proper prefix of ``wanted``; else None. Reads the store only: no cache is rebuilt to answer."""
-    store, session_id = (session.store, session.id) if isinstance(session, Session) else session
-    keys = stored_keys(store, session_id, tools)
-    if len(keys) < len(wanted) and [message_key(m) for m in wanted[: len(keys)]] == keys:
-        return wanted[len(keys):]
-    return None
+@dataclass(frozen=True)
+class Resolution:
+    """Which stored session a client's whole message list continues.
+
+    ``outcome``: "continued" (``session_id`` stored a proper prefix of the list; ``new`` holds the rest, the last
+    one the turn), "answered" (``session_id`` stored the list and then its reply: a retry; ``new`` is empty) or
+    "new" (no session continues it; ``session_id`` is None and ``new`` is the whole list)."""
+
+    outcome: Literal["new", "continued", "answered"]
+    session_id: str | None
+    new: tuple[Message, ...]
+
+    @classmethod
+    def start(cls, wanted: list[Message]) -> Resolution:
+        return cls("new", None, tuple(wanted))
 
 
-def answered(session: Session | tuple[SessionStore, str], wanted: list[Message], tools: list[str] | None) -> bool:
-    """Whether the session stored exactly ``wanted`` and then its reply: the request was answered already (a
-    retry after a failure that came after the turn was run, or recovered by the store's pending rules)."""
+def utc(moment: datetime) -> datetime:
+    """A stored timestamp as UTC (SQLite hands back naive datetimes for timezone-aware columns)."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
+
+
+def prefix_heads(wanted: list[Message]) -> dict[str, int]:
+    """The store's content hash (:func:`message_hash` chain) of each prefix of ``wanted``'s earlier messages -> its
+    length: how a session holding that prefix is found (:meth:`SessionStore.sessions_at_head`)."""
+    heads, prev = {}, GENESIS
+    for seq, msg in enumerate(wanted[:-1], 1):
+        prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
+        heads[prev] = seq
+    return heads
+
+
+def resolve(session: Session | tuple[SessionStore, str], wanted: list[Message], tools: list[str] | None, *,
+            retried: bool = False) -> Resolution:
+    """Whether one session (a Session, or a store and a session id) continues ``wanted``: "continued" when what it
+    stored is a proper prefix of ``wanted``; with ``retried``, "answered" when it stored exactly ``wanted`` and then
+    its reply (a retry after a failure that came after the turn was run, or recovered by the store's pending
+    rules); else "new". Reads the store only: no cache is rebuilt to answer."""
     store, session_id = (session.store, session.id) if isinstance(session, Session) else session
     keys = stored_keys(store, session_id, tools)  # (role, name, content) each
-    return (len(keys) == len(wanted) + 1 and keys[-1][0] == "assistant"
-            and [message_key(m) for m in wanted] == keys[:-1])
+    if len(keys) < len(wanted) and [message_key(m) for m in wanted[: len(keys)]] == keys:
+        return Resolution("continued", session_id, tuple(wanted[len(keys):]))
+    if (retried and len(keys) == len(wanted) + 1 and keys[-1][0] == "assistant"
+            and [message_key(m) for m in wanted] == keys[:-1]):
+        return Resolution("answered", session_id, ())
+    return Resolution.start(wanted)
+
+
+def find_continued(store: SessionStore, wanted: list[Message], tools: list[str] | None, *, owner: str | None,
+                   model_id: str, policy_sha256: str, heads: Mapping[str, int] | None = None) -> Resolution:
+    """Among ``owner``'s sessions of this model and policy, the one holding the longest proper prefix of
+    ``wanted``: by content hash first (``heads``, default :func:`prefix_heads`), then, when no chain matches
+    (replies holding tool calls are compared as they were returned), message by message over the
+    :data:`SCAN_RECENT` most recent ones. "new" when none continues it."""
+    heads = prefix_heads(wanted) if heads is None else heads
+    hits = store.sessions_at_head(owner, list(heads), model_id=model_id, policy_sha256=policy_sha256)
+    for hit in sorted(hits, key=lambda h: -heads[h["head_hash"]]):
+        found = resolve((store, hit["id"]), wanted, tools)
+        if found.outcome == "continued":
+            return found
+    best: Resolution | None = None
+    rows = store.list_sessions(owner=owner, any_owner=False)
+    for row in sorted(rows, key=lambda r: (utc(r["updated_at"]), r["id"]), reverse=True)[:SCAN_RECENT]:
+        if row["model_id"] != model_id or row["policy_sha256"] != policy_sha256:
+            continue
+        found = resolve((store, row["id"]), wanted, tools)
+        # an empty stored prefix (a session whose turns were all abandoned) continues nothing
+        if (found.outcome == "continued" and len(found.new) < len(wanted)
+                and (best is None or len(found.new) < len(best.new))):
+            best = found
+    return best or Resolution.start(wanted)
 
 
 def with_tools(wanted: list[Message], tools: list[dict] | None, tool_choice: object = None) -> list[Message]:
@@ -120,5 +184,5 @@ class StreamFilter:
         return head[: len(head) - held]
 
 
-__all__ = ["FINISH", "StreamFilter", "call_id", "message_key", "reply_view", "stored_keys", "unseen",
-           "with_tools"]
+__all__ = ["FINISH", "SCAN_RECENT", "Resolution", "StreamFilter", "call_id", "find_continued", "message_key",
+           "prefix_heads", "reply_view", "resolve", "stored_keys", "utc", "with_tools"]

@@ -497,3 +497,41 @@ def test_a_retried_request_that_ran_gets_the_stored_reply_and_no_second_turn(tmp
             send(create=False, retried=False)
     finally:
         service.close()
+
+
+def test_the_resolver_finds_continued_answered_and_new_by_content(tmp_path):
+    """The one rule the server, the Ray ingress and LangChain resolve a message list with: a session continues a
+    list when what it stored (a reply as it was returned) is a proper prefix of it; a retry of a list it answered
+    is "answered"; anything else is "new". Found by content hash, else by reading the caller's recent sessions."""
+    from snapkv_sessions.chat import Message
+    from snapkv_sessions.conversations import Resolution, find_continued, prefix_heads, resolve
+    from snapkv_sessions.store import NewMessage, SessionStore
+
+    store, sha = SessionStore(f"sqlite:///{tmp_path}/s.db"), "p" * 64
+
+    def stored(reply: str, stop: list[str]) -> str:
+        sid = store.create_session(MODEL, "{}", sha, owner="o", messages=[NewMessage("system", "Be brief.")])
+        turn, _ = store.begin_turn(sid, "Hi", None, sha, MODEL, {"max_new_tokens": 4, "stop": stop}, None)
+        store.finish_turn(sid, turn, reply, {"tokens_in": 1}, [], {})
+        return sid
+
+    plain, cut = stored("Hello.", []), stored("Bye. And more", [" And"])  # the second as shown: "Bye."
+    asked = [Message("system", "Be brief."), Message("user", "Hi")]
+    more = Message("user", "More?")
+    wanted = [*asked, Message("assistant", "Hello."), more]
+
+    assert resolve((store, plain), wanted, None) == Resolution("continued", plain, (more,))
+    assert resolve((store, plain), asked, None, retried=True) == Resolution("answered", plain, ())
+    assert resolve((store, plain), asked, None) == Resolution("new", None, tuple(asked))
+    other = [Message("user", "Other"), more]
+    assert resolve((store, plain), other, None) == Resolution.start(other)
+    assert list(prefix_heads(wanted).values()) == [1, 2, 3]
+
+    def find(msgs: list[Message], owner: str = "o", policy: str = sha) -> Resolution:
+        return find_continued(store, msgs, None, owner=owner, model_id=MODEL, policy_sha256=policy)
+
+    assert find(wanted) == Resolution("continued", plain, (more,))  # by the content hash of its chain
+    shown = [*asked, Message("assistant", "Bye."), more]
+    assert find(shown) == Resolution("continued", cut, (more,))  # the stored reply was cut: by reading it
+    assert find(wanted, owner="x") == find(wanted, policy="q" * 64) == Resolution.start(wanted)
+    assert find(asked[:1] + [more]) == Resolution("new", None, (asked[0], more))

@@ -51,7 +51,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validator
 
 from ..chat import Message
-from ..conversations import FINISH, StreamFilter, reply_view, unseen, with_tools
+from ..conversations import FINISH, StreamFilter, reply_view, resolve, with_tools
 from ..errors import ConfigError
 from ..policy import ROLES, Policy
 from ..session import Reply, Session
@@ -309,9 +309,9 @@ class ChatSnapKV(BaseChatModel):
     def _session_for(self, thread_id: str, wanted: list[Message], tools: list[str] | None) -> tuple[Session, list[Message]]:
         """The thread's session and the messages it has not seen; a new session when ``wanted`` does not extend it."""
         session = self._threads.get(thread_id) or self._reopen(thread_id)
-        if session is not None and (new := unseen(session, wanted, tools)) is not None:
+        if session is not None and (found := resolve(session, wanted, tools)).outcome == "continued":
             self._threads[thread_id] = session
-            return session, new
+            return session, list(found.new)
         # the title is for people listing sessions; the thread is found again through the indexed thread_id
         session = Session.create(self.model, policy=self._policy, store=self._session_store(),
                                  title=self._title(thread_id), thread_id=thread_id, history=wanted[:-1])

@@ -291,9 +291,9 @@ def _ingress_deployment(spec: RaySpec):
             if turn.session_id is not None:
                 self.router._owned(turn.session_id, turn.owner)
                 return turn.session_id, False
-            found = self.router._continued(turn)
-            if found is not None:
-                return found[0], False
+            found = self.router.continued(turn)
+            if found.session_id is not None:
+                return found.session_id, False
             return str(uuid.uuid4()), True
 
         async def _stream(self, call: dict, session_id: str, req):

@@ -26,12 +26,21 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 from .. import interrupts
 from ..admission import Admission
 from ..chat import ChatFormatter, Message
-from ..conversations import FINISH, StreamFilter, answered, reply_view, unseen, with_tools
+from ..conversations import (
+    FINISH,
+    Resolution,
+    StreamFilter,
+    find_continued,
+    prefix_heads,
+    reply_view,
+    resolve,
+    utc,
+    with_tools,
+)
 from ..errors import ConfigError, bounded_repr
 from ..generation import GenerationConfig
 from ..integrations.openai import tool_names
@@ -39,20 +48,14 @@ from ..models import runner_for
 from ..policy import Policy
 from ..session import Reply, Session, Snapshot
 from ..store import SessionStore, StoreError, StoreUnavailable
-from ..store.hashing import GENESIS, message_hash
+from ..store.hashing import GENESIS
 from . import protocol
 from .worker import Job
 
 BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
-SCAN_RECENT = 32  # sessions compared message by message when no content hash matches
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BOUNDARY_TTL_S = 30.0  # a kept turn boundary serves forks of the same conversation until unused this long
 BOUNDARIES_KEPT = 8  # boundaries kept at once (each holds a copy of a hot cache; cold layers are shared)
-
-
-def _utc(moment: datetime) -> datetime:
-    """A stored timestamp as UTC (SQLite hands back naive datetimes for timezone-aware columns)."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=timezone.utc)
 
 
 def _release(session: Session) -> None:
@@ -131,13 +134,8 @@ class TurnRequest:
 
     @functools.cached_property
     def heads(self) -> dict[str, int]:
-        """The store's content hash (:func:`message_hash` chain) of each prefix of the earlier messages -> its
-        length: how a session holding that prefix is found."""
-        heads, prev = {}, GENESIS
-        for seq, msg in enumerate(self.wanted[:-1], 1):
-            prev = message_hash(prev, seq, msg.role, msg.name, msg.content)
-            heads[prev] = seq
-        return heads
+        """The content hash of each prefix of the earlier messages -> its length (:func:`prefix_heads`)."""
+        return prefix_heads(self.wanted)
 
     @property
     def prefix_head(self) -> str:
@@ -187,25 +185,10 @@ class Router:
             raise ConfigError("session_id", session_id[:80], "is not a session id")
         return TurnRequest(wanted, tool_names(req.tools) if req.tools else None, gen, session_id, owner, req.model)
 
-    def _continued(self, turn: TurnRequest) -> tuple[str, list[Message]] | None:
-        """The caller's session holding the longest proper prefix of the request, by content hash, then by view."""
-        heads = turn.heads
-        hits = self.store.sessions_at_head(turn.owner, list(heads), model_id=self.model_id,
-                                           policy_sha256=self.policy.sha256)
-        for hit in sorted(hits, key=lambda h: -heads[h["head_hash"]]):
-            new = unseen((self.store, hit["id"]), turn.wanted, turn.tools)
-            if new is not None:
-                return hit["id"], new
-        best: tuple[str, list[Message]] | None = None
-        rows = self.store.list_sessions(owner=turn.owner, any_owner=False)
-        for row in sorted(rows, key=lambda r: (_utc(r["updated_at"]), r["id"]), reverse=True)[:SCAN_RECENT]:
-            if row["model_id"] != self.model_id or row["policy_sha256"] != self.policy.sha256:
-                continue
-            new = unseen((self.store, row["id"]), turn.wanted, turn.tools)
-            # an empty stored prefix (a session whose turns were all abandoned) continues nothing
-            if new is not None and len(new) < len(turn.wanted) and (best is None or len(new) < len(best[1])):
-                best = (row["id"], new)
-        return best
+    def continued(self, turn: TurnRequest) -> Resolution:
+        """The caller's session holding the longest proper prefix of the request (:func:`find_continued`)."""
+        return find_continued(self.store, turn.wanted, turn.tools, owner=turn.owner, model_id=self.model_id,
+                              policy_sha256=self.policy.sha256, heads=turn.heads)
 
     def _owned(self, session_id: str, owner: str | None) -> dict:
         """The session row, if it exists and belongs to ``owner``; else :class:`NotFound` (ids leak nothing)."""
@@ -223,7 +206,7 @@ class Router:
         return row
 
     def sessions(self, owner: str | None) -> list[dict]:
-        return [{"id": r["id"], "object": "session", "created_at": int(_utc(r["created_at"]).timestamp()),
+        return [{"id": r["id"], "object": "session", "created_at": int(utc(r["created_at"]).timestamp()),
                  "model": r["model_id"], "title": r["title"], "turns": r["turns_done"], "messages": r["messages"]}
                 for r in self.store.list_sessions(owner=owner, any_owner=False)]
 
@@ -353,16 +336,16 @@ class Service(Router):
             with self._hold(turn.session_id):
                 yield self._named(turn)
             return
-        found = self._continued(turn)
-        if found is not None:
-            with self._hold(found[0]):
+        found = self.continued(turn)
+        if found.session_id is not None:
+            with self._hold(found.session_id):
                 # a concurrent turn may have moved the session past this request: then it continues nothing
-                new = unseen((self.store, found[0]), turn.wanted, turn.tools)
-                if new is not None:
-                    session = self._live(found[0])
-                    if len(new) == 1:
+                held = resolve((self.store, found.session_id), turn.wanted, turn.tools)
+                if held.outcome == "continued":
+                    session = self._live(found.session_id)
+                    if len(held.new) == 1:
                         self._keep_boundary(session, turn)
-                    yield session, new, False
+                    yield session, list(held.new), False
                     return
         fork_id = str(uuid.uuid4())
         with self._hold(fork_id):  # held before anyone could find it by its content
@@ -435,12 +418,10 @@ class Service(Router):
         if turn.retried:
             session = self._live(sid)
             session.catch_up()  # a turn another replica left pending is answered first
-            if answered(session, turn.wanted, turn.tools):
-                return session, [], False
-        new = unseen((self.store, sid), turn.wanted, turn.tools)
-        if new is None:
+        found = resolve((self.store, sid), turn.wanted, turn.tools, retried=turn.retried)
+        if found.outcome == "new":
             raise Conflict(f"session {sid}: its stored messages are not a proper prefix of the request's messages")
-        return session or self._live(sid), new, False
+        return session or self._live(sid), list(found.new), False
 
     @contextlib.contextmanager
     def _hold(self, session_id: str) -> Iterator[None]:
