@@ -9,8 +9,8 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from snapkv_sessions import cli
 from snapkv_sessions.cli import main
+from snapkv_sessions.cli import serve as serve_cli  # the serve command looks these names up in its module
 
 BAD = [  # option, value, the refusal (after "Error: ")
     ("--port", "70000", "--port=70000: must be an integer in 0..65535"),
@@ -40,8 +40,8 @@ def no_model(monkeypatch):
     def loaded(*_a, **_k):
         raise AssertionError("serve went on past its option checks")
 
-    monkeypatch.setattr(cli, "quiet_loaders", loaded)
-    monkeypatch.setattr(cli, "_serve_ray", loaded)
+    monkeypatch.setattr(serve_cli, "quiet_loaders", loaded)
+    monkeypatch.setattr(serve_cli, "_serve_ray", loaded)
 
 
 @pytest.mark.parametrize("option,value,refusal", BAD, ids=[f"{o}={v}" for o, v, _ in BAD])
@@ -62,7 +62,7 @@ def test_good_edge_values_pass_the_checks(monkeypatch):
     def next_step(*_a, **_k):
         raise AssertionError("serve went on past its option checks")
 
-    monkeypatch.setattr(cli, "_api_keys", next_step)
+    monkeypatch.setattr(serve_cli, "_api_keys", next_step)
     for extra in (["--port", "0", "--batch", "0", "--shutdown-grace", "0", "--max-messages", "1", "--docs"],
                   ["--port", "65535", "--max-queue", "1", "--max-live", "1", "--max-tokens", "1", "--request-timeout",
                    "0.001", "--max-body-mb", "0.001", "--replicas", "1"]):
@@ -107,7 +107,7 @@ def test_new_options_reach_serve_options(monkeypatch):
         def __init__(self, *args):
             seen["service"] = args
 
-    monkeypatch.setattr(cli, "quiet_loaders", lambda: None)
+    monkeypatch.setattr(serve_cli, "quiet_loaders", lambda: None)
     monkeypatch.setattr(serve_pkg, "Service", FakeService)
     monkeypatch.setattr(store_pkg, "SessionStore", lambda *a, **k: None)
     monkeypatch.setattr(serve_pkg, "create_app", lambda service, options: seen.update(options=options))

@@ -1,0 +1,279 @@
+"""``snapkv-sessions bench``: benchmarks that print figures (JSON and a table)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from . import clean_errors, main, need_matplotlib, quiet_loaders
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print figures (JSON and a table)."""
+
+
+@bench.command("overhead")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--lengths", default="2048,4096,8192", show_default=True, help="Comma-separated context lengths.")
+@click.option("--budget-ratio", default=0.1, show_default=True, help="Budget as a share of the context.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--kernel", default=7, show_default=True, help="Pooling kernel.")
+@click.option("--repeats", default=2, show_default=True, help="Repeats per length (median reported).")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_json) -> None:
+    """Compression time as a share of prefill time, per context length."""
+    from ..bench import overhead
+    from ..config import CompressionConfig
+
+    quiet_loaders()
+    try:
+        sizes = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"--lengths={lengths!r}: give integers separated by commas") from None
+    if not sizes or min(sizes) < window + 1:
+        raise click.BadParameter(f"--lengths={lengths!r}: each length must exceed the window ({window})")
+    cfg = CompressionConfig.make(budget_ratio=budget_ratio, window=window, kernel=kernel)
+    result = overhead.run(model, sizes, cfg, repeats=repeats)
+    click.echo(json.dumps(result, indent=2))
+    if not as_json:
+        click.echo(overhead.table(result), err=False)
+
+
+@bench.command("speed")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Comma-separated context lengths.")
+@click.option("--budgets", default="0.05,0.1,0.2,0.5", show_default=True, help="Budget ratios (full is always run).")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--steps", default=32, show_default=True, help="Decode steps timed per budget.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG of TPOT and speedup vs the bound.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> None:
+    """Prefill, compression overhead, TTFT, TPOT p50/p95/p99 and KV bytes per length and budget."""
+    need_matplotlib(plot_path)
+    from ..bench import speed
+
+    quiet_loaders()
+    result = speed.run(model, [int(x) for x in lengths.split(",")], [float(x) for x in budgets.split(",")],
+                       window=window, steps=steps)
+    click.echo(json.dumps(result, indent=2))
+    if plot_path:
+        speed.plot(result, plot_path)
+    if not as_json:
+        click.echo(speed.table(result))
+
+
+@bench.command("tier")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--lengths", default="4096", show_default=True, help="Comma-separated context lengths.")
+@click.option("--ratio", default=0.2, show_default=True, help="Budget ratio of the hot cache.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--new-tokens", default=50, show_default=True, help="New tokens per turn.")
+@click.option("--repeats", default=3, show_default=True, help="Turns timed per length.")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True)
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_tier(model, lengths, ratio, window, new_tokens, repeats, dtype, out, as_json) -> None:
+    """A turn on the tiered memory against a re-prefill, side by side: time, kept set, hot and cold bytes."""
+    from ..bench import tier
+
+    quiet_loaders()
+    result = tier.run(model, [int(x) for x in lengths.split(",")], ratio, window, new_tokens, repeats, dtype)
+    _emit(result, out, as_json, tier.table)
+
+
+@bench.command("detector")
+@click.option("--scenarios", default=40, show_default=True, help="Scenarios per kind and shape.")
+@click.option("--threshold", default=None, type=float, help="Also score at this drift threshold.")
+@click.option("--calibration", default=40, show_default=True, help="Held-out scenarios per cell for the threshold.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_detector(scenarios, threshold, calibration, out, as_json) -> None:
+    """Drift detector precision and recall by shape (document as a message or pasted) and record kind."""
+    from ..bench import detector
+
+    quiet_loaders()
+    _emit(detector.run(scenarios, threshold, calibration), out, as_json, detector.table)
+
+
+@bench.command("quality")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--items", "n_items", default=5, show_default=True,
+              help="Scenarios (a lookup, a copy, a switch and the rule in 5 role splits each).")
+@click.option("--ratio", default=0.7, show_default=True, help="Budget ratio for the compressed methods.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
+@click.option("--records", default=20, show_default=True, help="Directory records per document.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG bar chart here.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_path, out, as_json) -> None:
+    """Accuracy per task and role split: full cache, session, StreamingLLM, SnapKV without pins or recovery."""
+    need_matplotlib(plot_path)
+    from ..bench import quality
+
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = quality.run_quality(quality.load_runner(model), n_items, ratio, window, max_new_tokens, records, log=log)
+    result["model"] = model
+    if plot_path:
+        quality.quality_plot(result, plot_path)
+    _emit(result, out, as_json, quality.quality_table)
+
+
+@bench.command("knee")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--items", "n_items", default=20, show_default=True, help="Items per task and length.")
+@click.option("--budgets", default="0.05,0.1,0.2,0.3,0.5,0.7,0.9", show_default=True, help="Budget ratios.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
+@click.option("--lengths", default="1024,2048,4096,8192", show_default=True, help="Target prompt lengths (tokens).")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True,
+              help="bfloat16 prefills about 1.6x faster on AMX CPUs; tests keep float32.")
+@click.option("--plot", "plot_path", default=None, help="Write the B*-vs-length PNG here.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_knee(model, n_items, budgets, window, max_new_tokens, lengths, dtype, plot_path, out, as_json) -> None:
+    """B*(length): the smallest budget within 2 points of the full cache, per task and selection, with intervals."""
+    need_matplotlib(plot_path)
+    from ..bench import knee, quality
+
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = knee.run(quality.load_runner(model, dtype), [int(x) for x in lengths.split(",")], n_items,
+                      [float(b) for b in budgets.split(",")], window, max_new_tokens, log=log)
+    result["model"], result["dtype"] = model, dtype
+    if plot_path:
+        knee.plot(result, plot_path)
+    _emit(result, out, as_json, knee.table)
+
+
+def _emit(result: dict, out: str | None, as_json: bool, table, bulky: str = "rows") -> None:
+    """Write the whole JSON to ``out``; print it whole (``--json``) or without its bulky per-item part, plus a table."""
+    text = json.dumps(result, indent=2)
+    if out:
+        with open(out, "w") as fh:
+            fh.write(text)
+    click.echo(text if as_json else json.dumps({k: v for k, v in result.items() if k != bulky}, indent=2))
+    if not as_json:
+        click.echo(table(result))
+
+
+@bench.command("shift")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--sessions", "n_sessions", default=6, show_default=True, help="Scripted sessions (10 turns each).")
+@click.option("--ratios", default="0.1,0.2,0.3,0.5", show_default=True, help="Budget ratios for the single-turn search.")
+@click.option("--ratio", default=None, type=float, help="Skip the search and use this budget ratio.")
+@click.option("--threshold", default=None, type=float, help="Drift threshold for (c); default: calibrated.")
+@click.option("--calibration", default=40, show_default=True, help="Held-out scenarios for the threshold.")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window, max_new_tokens, out,
+                as_json) -> None:
+    """Accuracy under task shifts: full cache, SnapKV, SnapKV + drift re-prefill, re-prefill every turn."""
+    from ..bench import shift
+
+    quiet_loaders()
+    sizes = [float(x) for x in ratios.split(",") if x.strip()]
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = shift.run(model, n_sessions, sizes, window, max_new_tokens, ratio=ratio, threshold=threshold,
+                       calibration=calibration, log=log)
+    _emit(result, out, as_json, shift.table, bulky="turns")
+
+
+@bench.command("forks")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--requests", default=20, show_default=True, help="Identical requests sent at once.")
+@click.option("--batch", default=8, show_default=True, help="The servers' decode slots.")
+@click.option("--document-tokens", default=1024, show_default=True, help="The conversation's document, in tokens.")
+@click.option("--boundaries", type=click.Choice(["off", "on", "both"]), default="both", show_default=True,
+              help="Servers with kept turn boundaries (the default), without (serve --no-fork-boundaries), or both.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_json) -> None:
+    """The same conversation sent N times at once: forks from the kept boundary against forks that re-prefill."""
+    from ..bench import forks
+
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[boundaries]
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    _emit(forks.run(model, requests, batch, document_tokens, modes, log=log), out, as_json, forks.table)
+
+
+@bench.command("serve")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--clients", default="1,2,4,8", show_default=True, help="Concurrent clients, one level per value.")
+@click.option("--turns", default=3, show_default=True, help="Turns per client (each a streamed request).")
+@click.option("--max-tokens", default=32, show_default=True, help="Reply cap per turn.")
+@click.option("--batch", "batches", default="0,8", show_default=True,
+              help="Servers to compare, one per value: decode slots (0: one turn at a time).")
+@click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
+@click.option("--packed-weights", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
+              help="Servers with packed linear weights (serve --packed-weights), without, or both side by side.")
+@click.option("--document-tokens", default=0, show_default=True,
+              help="Each client's first message starts with a document of about this many tokens.")
+@click.option("--max-queue", default=16, show_default=True, help="The server's queue length.")
+@click.option("--policy", default=None, help="Policy for the server's sessions (name or YAML path).")
+@click.option("--base-url", default=None, help="A running server (default: start one on a free loopback port).")
+@click.option("--api-key", default=None, help="Bearer key for a running server.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weights, document_tokens, max_queue, policy,
+                base_url, api_key, out, as_json) -> None:
+    """N concurrent multi-turn clients against the server, batched and not: tokens/s (and the ratio), TTFT and
+    TPOT p50/p95, 429s, errors."""
+    from ..bench import serve as serve_bench
+
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
+                                  tuple(_int_list("batch", batches)), max_queue, policy, budget,
+                                  {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
+                                  max(0, document_tokens))
+    result = serve_bench.run(spec, base_url, api_key, log=log)
+    _emit(result, out, as_json, serve_bench.table, bulky="turns")
+
+
+@bench.command("ray")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--db", required=True, help="The store both servers share (PostgreSQL URL).")
+@click.option("--replicas", default=1, show_default=True, help="Engine replicas of the Ray application.")
+@click.option("--clients", default="4", show_default=True, help="Concurrent clients, one level per value.")
+@click.option("--turns", default=3, show_default=True, help="Turns per client (each a streamed request).")
+@click.option("--max-tokens", default=32, show_default=True, help="Reply cap per turn.")
+@click.option("--batch", default=8, show_default=True, help="Decode slots of every server.")
+@click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
+@click.option("--policy", default=None, help="Policy for the servers' sessions (name or YAML path).")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_ray(model, db, replicas, clients, turns, max_tokens, batch, budget, policy, out, as_json) -> None:
+    """The Ray Serve application against the single-process server (the routing overhead), and the rebuild time of
+    a session from the store against its live prefill time."""
+    from ..bench import ray as ray_bench
+    from ..bench.serve import ServeBench
+
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    spec = ServeBench(model, _int_list("clients", clients), turns, max_tokens, (batch,), 16, policy, budget)
+    result = ray_bench.run(spec, db, replicas, log=log)
+    _emit(result, out, as_json, ray_bench.table, bulky="none")
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text[:80]!r}: give integers separated by commas", param_hint=f"--{name}") from None
+    if not values or any(v < 0 for v in values):
+        raise click.BadParameter(f"{text[:80]!r}: give non-negative integers", param_hint=f"--{name}")
+    return values

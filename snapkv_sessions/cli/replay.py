@@ -1,0 +1,162 @@
+"""``snapkv-sessions replay``: audit a stored session, and the text rendering of its rows, details and finds."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from . import _jsonable, _store, clean_errors, main, need_matplotlib, quiet_loaders
+
+
+def _fmt(value, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _kv_cells(row: dict, kv: str, tiered: bool) -> list[str]:
+    tier = row.get("tier")
+    if not tiered:
+        return [kv]
+    if not tier:
+        return [kv, "-", "-"]
+    return [f"{tier['hot_bytes']:,}/{tier['cold_bytes']:,}", f"{tier['streamed_bytes']:,}", str(tier["recalled"])]
+
+
+def _replay_table(rows: list[dict]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=None, box=None, pad_edge=False)
+    cols = ["turn", "context", "kept", "system", "developer", "tool_schema", "document", "user", "assistant",
+            "layer min..max", "drift", "decision", "comp ms", "prefill ms", "decode ms", "KV bytes"]
+    tiered = any(r.get("tier") for r in rows)
+    if tiered:  # hot/cold bytes after the turn, cold bytes streamed, slots recalled from cold to hot
+        cols = cols[:-1] + ["hot/cold KV", "streamed", "recalled"]
+    for col in cols:
+        table.add_column(col, justify="right" if col not in ("decision",) else "left")
+    for r in rows:
+        roles = r["kept_per_role"]
+        kept = _fmt(r["kept_min"]) if r["kept_min"] == r["kept_max"] else f"{r['kept_min']}..{r['kept_max']}"
+        ret = "-" if r["retention_min"] is None else f"{r['retention_min']:.0%}..{r['retention_max']:.0%}"
+        kv = "-" if r["kv_bytes_after"] is None else f"{r['kv_bytes_before']:,}->{r['kv_bytes_after']:,}"
+        decision = r["drift_decision"] if r["status"] == "done" else r["status"]
+        table.add_row(str(r["turn"]), _fmt(r["context_tokens"]), kept,
+                      *[("-" if k not in roles else f"{roles[k]:.0%}") for k in cols[3:9]], ret,
+                      _fmt(r["drift_score"], ".3f"), decision or "-", _fmt(r["compression_ms"], ".1f"),
+                      _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), *_kv_cells(r, kv, tiered))
+    console = Console(width=200, record=True, color_system=None, highlight=False, soft_wrap=True)
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get().rstrip()
+
+
+def _find_text(found: dict) -> str:
+    """Per occurrence and turn: pairs holding every token, and each evicted token's count and median margin."""
+    import statistics
+
+    lines = [f"{found['text']!r}: {len(found['occurrences'])} occurrence(s)"]
+    for occ in found["occurrences"]:
+        lines.append(f"  chars {occ['chars'][0]}..{occ['chars'][1]}, positions {occ['positions']}, "
+                     f"tokens {occ['tokens']}")
+        for t in occ["turns"]:
+            lines.append(f"    turn {t['turn']}: {t['pairs_holding_all']}/{t['pairs']} layer/head pairs hold every token")
+            lost: dict[int, list] = {}
+            for lay in t["layers"]:
+                for head in lay["heads"]:
+                    for e in head["evicted"]:
+                        lost.setdefault(e["position"], []).append(e["margin"])
+            for pos, margins in sorted(lost.items()):
+                known = [m for m in margins if m is not None]
+                median = f", median margin {statistics.median(known):.3g}" if known else ""
+                lines.append(f"      position {pos} ({occ['tokens'][occ['positions'].index(pos)]!r}): evicted in "
+                             f"{len(margins)} pairs{median}")
+    return "\n".join(lines)
+
+
+def _detail_text(detail: dict) -> str:
+    lines = [f"turn {detail['turn']} ({detail['status']}): drift {_fmt(detail['drift_score'], '.3f')}, "
+             f"decision {detail['drift_decision']}"]
+    for e in detail["events"]:
+        if e["kind"] in ("drift", "reprefill", "error", "abandoned", "recovered"):
+            lines.append(f"  event {e['kind']}: {json.dumps(e['payload'], sort_keys=True)}")
+    if not detail["layers"]:
+        lines.append("  no compression this turn (the cache fit its budget)")
+        return "\n".join(lines)
+    lines.append("  kept / context tokens per message, min..max over layers and KV heads:")
+    for m in detail["messages"]:
+        held = [h["per_message"][m["seq"]]["kept"] for layer in detail["layers"] for h in layer]
+        size = m["end"] - m["start"]
+        lines.append(f"    msg {m['seq']:>3} {m['role']:<11} positions [{m['start']}, {m['end']}): kept "
+                     f"{min(held)}..{max(held)} of {size}")
+    recalled = [len(h["recalled"]) for layer in detail["layers"] for h in layer if "recalled" in h]
+    if recalled:
+        lines.append(f"  recalled from the cold tier to hot: {min(recalled)}..{max(recalled)} positions per layer "
+                     f"and KV head ({sum(recalled)} in all; --json lists them)")
+    return "\n".join(lines)
+
+
+@main.command("replay")
+@click.argument("session_id")
+@click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
+@click.option("--turn", type=int, default=None, help="Detail one turn: kept positions mapped to messages.")
+@click.option("--verify", "do_verify", is_flag=True, help="Check the hash chain, then re-execute and compare.")
+@click.option("--against", type=click.Choice(["full"]), default=None, help="Fidelity audit against a full cache.")
+@click.option("--plot", "plot_path", default=None, help="Write a retention heatmap + drift timeline PNG (matplotlib).")
+@click.option("--find", "find_text", default=None,
+              help="Where TEXT's tokens were held or evicted after each compression (with --turn: that turn's), "
+                   "and the score margin each evicted token lost by.")
+@click.option("--model", default=None, help="Model for --verify/--against/--find (default: the session's).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@clean_errors
+def replay(session_id, db, turn, do_verify, against, plot_path, find_text, model, as_json) -> None:
+    """Audit a session: per-turn retention, drift and timings; verify or compare re-executions."""
+    from .. import audit
+
+    need_matplotlib(plot_path)
+    store = _store(db)
+    session_id = store.resolve_id(session_id)
+    if find_text is not None:
+        quiet_loaders()
+        found = audit.find(store, session_id, find_text, turn, model)
+        click.echo(json.dumps(found, indent=2) if as_json else _find_text(found))
+        return
+    if do_verify:
+        quiet_loaders()
+        shown = (lambda *_: None) if as_json else (
+            lambda done, total: click.echo(f"re-executed turn {done} of {total}", err=True))
+        result = audit.verify(store, session_id, model, progress=shown)
+        payload = {"ok": result.ok, "turns_checked": result.turns_checked,
+                   "mismatch": None if result.mismatch is None else {
+                       "turn": result.mismatch.turn, "field": result.mismatch.field,
+                       "recorded": result.mismatch.expected, "reexecuted": result.mismatch.got}}
+        click.echo(json.dumps(payload, indent=2) if as_json else (
+            f"verified: hash chain intact, {result.turns_checked} turns re-executed identically" if result.ok
+            else f"MISMATCH {result.mismatch}"))
+        if not result.ok:
+            raise SystemExit(1)
+        return
+    if against == "full":
+        quiet_loaders()
+        rows = audit.against_full(store, session_id, model)
+        if as_json:
+            click.echo(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                first = ("identical" if r["first_divergence"] is None
+                         else f"first divergence at token {r['first_divergence']}")
+                click.echo(f"turn {r['turn']}: {r['tokens']} tokens, match {r['match_rate']:.0%}, {first}"
+                           f"{'' if r['compressed'] else ' (uncompressed turn)'}")
+        return
+    if plot_path:
+        from ..policy import Policy
+
+        threshold = Policy.from_yaml(store.get_session(session_id)["policy_json"]).drift.threshold
+        shown = audit.plot(store, session_id, plot_path, turn=turn, threshold=threshold)
+        click.echo(json.dumps({"plot": plot_path, "turn": shown}) if as_json else f"wrote {plot_path} (turn {shown})")
+        return
+    if turn is not None:
+        detail = audit.turn_detail(store, session_id, turn)
+        click.echo(json.dumps(_jsonable(detail), indent=2) if as_json else _detail_text(detail))
+        return
+    rows = audit.turn_rows(store, session_id)
+    click.echo(json.dumps(_jsonable(rows), indent=2) if as_json else _replay_table(rows))

@@ -1,0 +1,144 @@
+"""``snapkv-sessions serve``: the OpenAI-compatible server, its option checks, API keys and the Ray variant."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import click
+
+from . import clean_errors, main, quiet_loaders
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
+    """Keys from ``--api-key`` and from a file (one per line; blank lines and ``#`` comments skipped)."""
+    found = {k.strip() for k in keys if k.strip()}
+    if key_file is not None:
+        try:
+            lines = open(key_file, encoding="utf-8").read().splitlines()
+        except OSError as exc:
+            raise click.ClickException(f"--api-key-file={key_file!r}: cannot read it ({exc.strerror})") from None
+        found |= {line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")}
+    short = [k for k in found if len(k) < 16]
+    if short:
+        raise click.ClickException(f"--api-key: keys must be at least 16 characters ({len(short)} shorter)")
+    return frozenset(found)
+
+
+@main.command("serve")
+@click.option("--model", required=True, help="Model id, folder, GGUF or bundle (one model per process).")
+@click.option("--policy", default="default", show_default=True, help="Policy name or YAML path for new sessions.")
+@click.option("--db", default=None, help="SQLAlchemy URL or SQLite path of the store (default: embedded SQLite).")
+@click.option("--redis", "redis_url", default=None, help="Redis URL for locks and hot state (several workers).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, help="Port to bind.")
+@click.option("--api-key", "api_keys", multiple=True, help="A bearer key clients must send (repeatable).")
+@click.option("--api-key-file", default=None, help="A file of bearer keys, one per line.")
+@click.option("--max-queue", default=16, show_default=True, help="Requests that may wait; more get 429.")
+@click.option("--request-timeout", default=600.0, show_default=True, help="Seconds a request may wait and run.")
+@click.option("--max-tokens", default=256, show_default=True, help="Reply cap when a request gives none.")
+@click.option("--max-live", default=16, show_default=True, help="Sessions kept in memory (others rebuilt from the store).")
+@click.option("--max-body-mb", default=8.0, show_default=True, help="Largest request body accepted (413 past it).")
+@click.option("--batch", default=8, show_default=True,
+              help="Decode slots: turns decoded together in one forward per step (0: one turn at a time).")
+@click.option("--packed-weights", is_flag=True,
+              help="CPU, fp32: run linear layers on weights packed once (faster batched steps; equal to rounding).")
+@click.option("--ray", "on_ray", is_flag=True,
+              help="Run as a Ray Serve application on a local Ray started on 127.0.0.1 (docs/ray.md).")
+@click.option("--replicas", default=2, show_default=True, help="With --ray: engine replicas.")
+@click.option("--max-messages", default=1024, show_default=True, help="Messages one request may carry; more get 400.")
+@click.option("--docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json, behind the API key when keys are set.")
+@click.option("--shutdown-grace", default=10.0, show_default=True,
+              help="Seconds running turns may finish after SIGTERM; then they are stopped with 503.")
+@click.option("--no-fork-boundaries", is_flag=True,
+              help="Keep no turn boundaries: a conversation sent again at once forks by re-prefilling its history.")
+@clean_errors
+def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
+          max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
+          no_fork_boundaries) -> None:
+    """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
+    _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
+                         max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
+                         max_messages=max_messages, shutdown_grace=shutdown_grace)
+    keys = _api_keys(api_keys, api_key_file)
+    if not keys and host not in LOOPBACK:
+        click.echo(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it "
+                   "can use and read every session", err=True)
+    if on_ray:
+        _serve_ray({"model": model, "db": db, "policy": policy, "redis_url": redis_url, "replicas": replicas,
+                    "sessions_per_replica": max_live, "batch": batch, "max_tokens": max_tokens,
+                    "api_keys": tuple(keys), "request_timeout_s": request_timeout,
+                    "max_body_bytes": int(max_body_mb * (1 << 20)), "max_messages": max_messages}, host, port)
+        return
+    try:
+        from ..serve import Capacity, ServeOptions, Service, create_app
+        from ..serve.app import run_server
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    from ..store import SessionStore
+
+    quiet_loaders()
+    capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights,
+                        keep_boundaries=not no_fork_boundaries)
+    store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
+    service = Service(model, policy, store, capacity)
+    app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
+                                           max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
+                                           docs=docs, shutdown_grace_s=shutdown_grace))
+    click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)
+    run_server(app, host, port, shutdown_grace)
+
+
+# serve's numeric options: the least value (int options), or (least, whether the least itself is allowed) for the
+# float ones; --port also has a most. Checked before anything is imported or loaded, each refusal one line.
+_SERVE_INTS = {"port": 0, "max_queue": 1, "max_tokens": 1, "max_live": 1, "batch": 0, "replicas": 1, "max_messages": 1}
+_SERVE_FLOATS = {"request_timeout": (0.0, False), "max_body_mb": (0.0, False), "shutdown_grace": (0.0, True)}
+MAX_PORT = 65535
+
+
+def _check_serve_numbers(**values: float) -> None:
+    """A bad numeric ``serve`` option is a one-line error naming it (exit 1), before the model is loaded: a
+    request timeout of 0 would make every request a 504, a queue of 0 is unbounded, a port past 65535 never binds."""
+    for name, value in values.items():
+        option = "--" + name.replace("_", "-")
+        if name in _SERVE_INTS:
+            least = _SERVE_INTS[name]
+            most = MAX_PORT if name == "port" else None
+            if value < least or (most is not None and value > most):
+                bound = f"in {least}..{most}" if most is not None else f">= {least}"
+                raise click.ClickException(f"{option}={value}: must be an integer {bound}")
+            continue
+        least, inclusive = _SERVE_FLOATS[name]
+        if not math.isfinite(value) or value < least or (value == least and not inclusive):
+            raise click.ClickException(f"{option}={value:g}: must be a finite number {'>=' if inclusive else '>'} "
+                                       f"{least:g}")
+    if int(values["max_body_mb"] * (1 << 20)) < 1:
+        raise click.ClickException(f"--max-body-mb={values['max_body_mb']:g}: must allow at least one byte")
+
+
+def _serve_ray(spec: dict, host: str, port: int) -> None:
+    """The server as a Ray Serve application on a local Ray (127.0.0.1), until interrupted."""
+    if host not in LOOPBACK:
+        raise click.ClickException(f"--host {host}: with --ray the local cluster binds 127.0.0.1; for a cluster "
+                                   "across machines deploy the Serve config file (docs/ray.md)")
+    if not spec["db"] or not str(spec["db"]).startswith(("postgresql", "sqlite")):
+        raise click.ClickException("--db: with --ray give the store's SQLAlchemy URL (PostgreSQL for several "
+                                   "replicas on several machines)")
+    try:
+        from ray import serve as ray_serve
+
+        from ..serve.ray import build, start_local
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    start_local(port)
+    ray_serve.run(build(spec), name="snapkv", route_prefix="/")
+    replicas = spec["replicas"]
+    click.echo(f"serving {spec['model']} on http://127.0.0.1:{port}/v1 ({replicas} replica{'s' * (replicas != 1)})",
+               err=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        ray_serve.shutdown()
