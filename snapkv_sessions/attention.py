@@ -121,6 +121,7 @@ def snapkv_attention_forward(
     dropout: float = 0.0,
     snapkv_probe: WindowProbe | None = None,
     snapkv_keymask: object | None = None,
+    snapkv_recall: object | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """``transformers.AttentionInterface`` function: causal SDPA plus the optional window probe.
@@ -134,7 +135,23 @@ def snapkv_attention_forward(
     key_mask = None if snapkv_keymask is None else snapkv_keymask.get(module.layer_idx)
     if snapkv_probe is not None:
         snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)
+    if snapkv_recall is not None and query.shape[-2] == 1:  # decode: also what the step recalls from the tier
+        key, value, key_mask = with_recalled(snapkv_recall, module.layer_idx, query, key, value, key_mask)
     return causal_sdpa(query, key, value, scaling, key_mask), None
+
+
+def with_recalled(recall, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The hot keys and values (B, Hkv, T, D) with the step's recalled ones after them (B, Hkv, T + K, D), and the
+    key mask over both (B, Hkv, 1, T + K): one exact softmax over hot and recalled slots together."""
+    got = recall.extra(layer, query)
+    if got is None:
+        return key, value, key_mask
+    rec_k, rec_v, attend = got  # (B, Hkv, K, D) each, (B, Hkv, 1, K)
+    bsz, heads, t_len = key.shape[0], key.shape[1], key.shape[2]
+    hot = (torch.ones(bsz, heads, 1, t_len, dtype=torch.bool, device=key.device) if key_mask is None
+           else key_mask.expand(bsz, heads, 1, t_len))  # (B, Hkv, 1, T)
+    return torch.cat([key, rec_k], dim=2), torch.cat([value, rec_v], dim=2), torch.cat([hot, attend], dim=-1)
 
 
 def register() -> str:

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .cache import set_layer
+from .recall import BatchRecall
 from .runner import Forward
 from .state import KVState
 
@@ -181,7 +182,10 @@ class SlotPool:
         positions = [s.state.next_position + len(s.fed) for s in self.slots]
         position_ids = torch.tensor(positions, device=device)[:, None]  # (n, 1) true positions
         masks = KeyMasks()
-        logits = runner.forward(Forward(input_ids, position_ids, SlotCache(self, n, masks), key_masks=masks))  # (n, V)
+        recalls = [s.state.cache.recall(s.state, len(s.fed)) for s in self.slots]  # each slot's own tier
+        recall = BatchRecall(recalls) if any(r is not None for r in recalls) else None
+        logits = runner.forward(Forward(input_ids, position_ids, SlotCache(self, n, masks), key_masks=masks,
+                                        recall=recall))  # (n, V)
         for slot, token in zip(self.slots, tokens, strict=True):
             slot.fed.append(int(token))
             slot.lengths = [length + 1 for length in slot.lengths]

@@ -109,6 +109,15 @@ class HotOnly:
     def prefill_done(self, state: KVState) -> None:
         """The turn's prefill and compression are done; decode writes to the hot slots next."""
 
+    def recall(self, state: KVState, fed: int = 0):
+        """For one decode step (``fed`` tokens already written past ``state``'s, a batched slot's): what the step
+        recalls from a tier (:class:`snapkv_sessions.recall.Recall`); None here: decode reads the hot slots."""
+        return None
+
+    def decode_done(self, state: KVState) -> dict | None:
+        """The turn's decode is done: what it recalled, for the turn's report (None without recall)."""
+        return None
+
     def history(self, state: KVState) -> History:
         layers = self.layers  # type: ignore[attr-defined]  # the Cache's layers
         return History(state.positions, state.token_ids, state.pinned, state.next_position,

@@ -21,6 +21,15 @@ from .errors import ConfigError, bounded_repr
 BUILTIN_SCORERS = ("snapkv", "streaming")  # registered by snapkv_sessions.scorers when it is imported
 
 
+BUILTIN_SELECTORS = ("exact", "sparq", "pages")  # registered by snapkv_sessions.recall when it is imported
+
+
+def registered_selectors() -> tuple[str, ...]:
+    """Recall selector keys a policy may name now, read without importing torch (as :func:`registered_scorers`)."""
+    recall = sys.modules.get(f"{__package__}.recall")
+    return tuple(recall.SELECTORS) if recall is not None else BUILTIN_SELECTORS
+
+
 def registered_scorers() -> tuple[str, ...]:
     """Scorer keys a config may name now, read without importing torch.
 
@@ -216,3 +225,70 @@ def _dotted(given: dict[str, object], path: str, default: object) -> object:
             return default
         value = value[part]
     return value
+
+
+class RecallConfig(BaseModel):
+    """Decode-time recall from the tiered memory's host tier (the policy's ``memory.recall``; two-stage attention,
+    :mod:`snapkv_sessions.recall`): at every decode step each layer and KV head also attends to the cold slots
+    the step's query reaches for.
+
+    Parameters
+    ----------
+    budget:
+        Cold slots recalled per layer and KV head per step; or ``None`` to use ``ratio``.
+    ratio:
+        The same as a share of the context (true positions so far), in ``[0, 1]``; 1 recalls every cold slot
+        (full attention).
+    selector:
+        How the slots are chosen, a key in :data:`snapkv_sessions.recall.SELECTORS`: ``"exact"`` (every cold key
+        scored), ``"sparq"`` (the ``channels`` largest components of ``|q|``), ``"pages"`` (Quest's per-page
+        key bounds, pages of ``page`` slots recalled whole).
+    channels:
+        SparQ's r.
+    page:
+        Quest's page size, in slots.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget: int | None = None
+    ratio: float | None = None
+    selector: str = "exact"
+    channels: int = 16
+    page: int = 16
+
+    @field_validator("selector")
+    @classmethod
+    def _selector_registered(cls, name: str) -> str:
+        known = registered_selectors()
+        if name not in known:
+            raise ValueError(f"unknown selector {name!r}; registered: {sorted(known)}")
+        return name
+
+    @model_validator(mode="after")
+    def _check(self) -> RecallConfig:
+        if (self.budget is None) == (self.ratio is None):
+            raise ValueError("set exactly one of budget and ratio")
+        if self.budget is not None and self.budget < 0:
+            raise ValueError(f"budget={self.budget} must be a non-negative number of slots")
+        if self.ratio is not None and not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio={self.ratio} must be in [0, 1]")
+        if self.channels < 1:
+            raise ValueError(f"channels={self.channels} must be >= 1")
+        if self.page < 1:
+            raise ValueError(f"page={self.page} must be >= 1")
+        return self
+
+    @classmethod
+    def make(cls, **kwargs: object) -> RecallConfig:
+        """Build one, turning pydantic's errors into a :class:`ConfigError` naming field and value."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise _config_error(exc, kwargs) from None
+
+    def slots(self, context: int) -> int:
+        """Cold slots each layer and KV head recalls per step, for a context of ``context`` true positions."""
+        if self.budget is not None:
+            return self.budget
+        return math.ceil(self.ratio * context)

@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config import CompressionConfig
+from .config import CompressionConfig, RecallConfig
 from .errors import ConfigError
 
 ROLES = ("system", "developer", "tool_schema", "document", "user", "assistant", "tool")
@@ -121,6 +121,8 @@ class MemoryPolicy(_Strict):
     spill_dir: write an evicted session's tier here (safetensors) instead of dropping it
     on_shift: ``tier``: a detected task shift is served by the tier (no re-prefill while it holds the
         session); ``reprefill``: drift decides re-prefills as without the tier
+    recall: decode-time recall from the tier (:class:`~snapkv_sessions.config.RecallConfig`): every decode step
+        also attends to the cold slots its query reaches for; None (the default): decode reads the hot slots
     refeed_reply: feed the last reply again with the next turn's tokens, so its KV is computed over the whole
         history as a full prefill's would be (exact, the default); false keeps the KV decode computed against
         the hot cache alone
@@ -131,6 +133,7 @@ class MemoryPolicy(_Strict):
     max_bytes: int | None = Field(default=None, ge=0)
     spill_dir: str | None = None
     on_shift: Literal["tier", "reprefill"] = "tier"
+    recall: RecallConfig | None = None
 
 
 class LimitsPolicy(_Strict):
@@ -246,6 +249,7 @@ _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("memory",): None,
     ("compression", "span_unit"): "word",
     ("drift", "follow_ups"): None,
+    ("memory", "recall"): None,
 }
 
 

@@ -28,6 +28,7 @@ from .compress import Layout, Selection, compress, protect_mask
 from .config import CompressionConfig
 from .errors import ConfigError
 from .generation import Decoder, GenerationConfig
+from .recall import RecallConfig
 from .report import CompressionReport
 from .state import KVState
 from .support import check_supported, fingerprint
@@ -48,6 +49,7 @@ class Forward:
     cache: object
     probe: WindowProbe | None = None
     key_masks: object | None = None  # .get(layer) -> (B, 1 or Hkv, 1, T) bool or None
+    recall: object | None = None  # .extra(layer, query): a decode step's recall from the tier (recall.Recall)
 
 
 class Executor(Protocol):
@@ -130,6 +132,10 @@ class TurnRun:
                 yield tok
             self.state.pending = [int(t) for t in self.forced[-1:]]
         self.result.decode_ms = (time.perf_counter() - t0) * 1e3
+        recalled = self.state.cache.decode_done(self.state)  # what decode recalled from a tier, if it did
+        report = self.result.report
+        if recalled is not None and report is not None and report.tier is not None:
+            report.tier = {**report.tier, "recall": recalled}
 
     def finish(self) -> TurnResult:
         for _ in self:
@@ -205,17 +211,18 @@ class ModelRunner:
         """Give the model back its original attention implementation."""
         self.model.set_attn_implementation(self._original_attn)
 
-    def new_state(self, tiered: bool = False, refeed_reply: bool = True) -> KVState:
+    def new_state(self, tiered: bool = False, refeed_reply: bool = True, recall: RecallConfig | None = None) -> KVState:
         """An empty conversation state; ``tiered`` keeps what compression evicts in a host tier
         (:class:`~snapkv_sessions.tier.TieredCache`), so every prefill sees the whole history; ``refeed_reply``:
-        a tier feeds each reply again with the next turn (exact), or keeps the KV decode computed."""
+        a tier feeds each reply again with the next turn (exact), or keeps the KV decode computed; ``recall``: decode
+        also attends to the cold slots each step's query reaches for (:mod:`snapkv_sessions.recall`)."""
         if self.cache_kind == "compact":
             if not tiered:
                 return KVState(cache=CompactCache(self.num_layers))
-            cache = TieredCache(self.num_layers)
+            cache = TieredCache(self.num_layers, recall=recall)
             cache.cold.refeed_reply = refeed_reply
             return KVState(cache=cache)
-        if tiered:
+        if tiered or recall is not None:
             raise ConfigError("cache", self.cache_kind, "the tiered memory needs the 'compact' cache")
         return KVState(cache=PlainDynamicCache(config=self.model.config))
 
@@ -232,6 +239,7 @@ class ModelRunner:
             logits_to_keep=1,
             snapkv_probe=step.probe,
             snapkv_keymask=step.key_masks,
+            snapkv_recall=step.recall,
         )
         return out.logits[:, -1]  # (B, V)
 
@@ -249,8 +257,9 @@ class ModelRunner:
         if whole:
             with state.cache.attending(state):
                 logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks))  # (1, V)
-        else:
-            logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks))  # (1, V)
+        else:  # decode: the hot slots, and what the step recalls from a tier
+            recall = state.cache.recall(state) if len(ids) == 1 else None
+            logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks, recall))  # (1, V)
         return logits[0]  # (V,)
 
     @torch.inference_mode()

@@ -190,8 +190,10 @@ class Session(SessionMessages):
     def _restart_cache(self) -> None:
         if self.state is not None:
             self.state.cache.release()
+        memory = self.policy.memory
         self.state = self.runner.new_state(tiered=self.policy.tiered,
-                                           refeed_reply=self.policy.tiered and self.policy.memory.refeed_reply)
+                                           refeed_reply=self.policy.tiered and memory.refeed_reply,
+                                           recall=memory.recall if self.policy.tiered else None)
         self.transcript.reset()
 
     @property

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .cache import CompactCache, CompactLayer, History
+from .recall import Recall, RecallConfig, RecallStats, summary_bytes
 
 
 @dataclass
@@ -58,14 +59,18 @@ class ColdLayer:
 
     keys, values: (B, Hkv, C, D); positions: (B, Hkv, C) long, the true position of every slot, sorted. Where the
     heads evicted different numbers of slots, C is the most any head evicted and a head that evicted fewer repeats
-    a slot of its own history (the same true position and keys and values, so the union is unchanged); ``padded``
-    says so.
+    a slot of its own history (the same true position and keys and values, so the union is unchanged); ``real``
+    (B, Hkv, C) bool is then False at those repeats (decode-time recall never reads them), else None.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
-    padded: bool = False
+    real: torch.Tensor | None = None
+
+    @property
+    def padded(self) -> bool:
+        return self.real is not None
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +196,8 @@ class ColdStream:
         else:
             with torch.cuda.stream(self.side):
                 moved = ColdLayer(*(t.to(self.device, non_blocking=True) for t in (part.keys, part.values,
-                                                                                 part.positions)), part.padded)
+                                                                                 part.positions)),
+                                  None if part.real is None else part.real.to(self.device, non_blocking=True))
                 event = torch.cuda.Event()
                 event.record(self.side)
             self.ready[layer] = (moved, event)
@@ -229,9 +235,11 @@ class TieredCache(CompactCache):
 
     layer_class = TieredLayer
 
-    def __init__(self, num_layers: int, cold: ColdKV | None = None) -> None:
+    def __init__(self, num_layers: int, cold: ColdKV | None = None, recall: RecallConfig | None = None) -> None:
         super().__init__(num_layers)
         self.cold: ColdKV = cold if cold is not None else ColdKV.empty(num_layers)
+        self.recall_config = recall  # decode-time recall from the tier (None: decode reads the hot slots)
+        self._recall: Recall | None = None  # the current turn's, from its prefill to the end of its decode
 
     # ------------------------------------------------------------------ the tier's standing
 
@@ -249,7 +257,7 @@ class TieredCache(CompactCache):
 
     def clone(self) -> TieredCache:
         """A copy of the hot slots and a tier of its own sharing the cold layers (:meth:`ColdKV.clone`)."""
-        out = TieredCache(len(self.layers), self.cold.clone())
+        out = TieredCache(len(self.layers), self.cold.clone(), self.recall_config)
         self._copy_into(out)
         return out
 
@@ -282,6 +290,7 @@ class TieredCache(CompactCache):
         window also feeds again the ``reach`` history tokens its window reaches back over."""
         cold = self.cold
         cold.stats = TierStats()
+        self._recall = None
         cold.hot_at_start = list(state.positions)  # per layer (B, Hkv, T): slots hot before this turn
         cold.history_at_start = state.next_position
         self._rewind(state, reach)
@@ -349,6 +358,29 @@ class TieredCache(CompactCache):
 
     def prefill_done(self, state) -> None:
         self.cold.decode_start = state.next_position  # the reply decode writes from here is fed again next turn
+        if self.recall_config is not None:  # one Recall for the turn's decode: selector summaries are kept
+            self._recall = Recall(self.recall_config, self.cold, RecallStats())
+
+    @property
+    def current_recall(self) -> Recall | None:
+        """The running turn's recall (from its prefill to the end of its decode), for an observer to watch."""
+        return self._recall
+
+    def recall(self, state, fed: int = 0) -> Recall | None:
+        """This decode step's recall from the tier (None: no recall configured, or nothing is cold)."""
+        rec = self._recall
+        if rec is None or all(part is None for part in self.cold.layers):
+            return None
+        rec.begin_step(state.next_position + fed + 1, state.kv_bytes())
+        return rec
+
+    def decode_done(self, state) -> dict | None:
+        rec, self._recall = self._recall, None
+        if rec is None or not rec.stats.steps:
+            return None
+        rec.end()
+        return {**rec.stats.to_dict(), "summary_bytes": summary_bytes(rec.cfg, self.cold),
+                "selector": rec.cfg.selector}
 
     def history(self, state) -> History:
         """The whole history, every true position 0..N-1 in order in every layer; one layer's union at a time."""
@@ -451,11 +483,14 @@ def _evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, uneve
         # repeats of the head's first evicted position (or of position 0 where a head evicted nothing)
         order = torch.sort((~gone).to(torch.int8), dim=-1, stable=True).indices[..., :width]  # (B, Hkv, C)
         slot = torch.arange(width, device=keys.device)  # (C,)
-        pos = torch.where(slot < n_gone[..., None], order, order[..., :1])  # (B, Hkv, C)
-        pos = pos.sort(dim=-1).values  # (B, Hkv, C) sorted, a repeat beside its original
+        real = slot < n_gone[..., None]  # (B, Hkv, C)
+        pos = torch.where(real, order, order[..., :1])  # (B, Hkv, C)
+        pos, at = pos.sort(dim=-1, stable=True)  # (B, Hkv, C) sorted, a repeat beside its original
+        real = real.gather(-1, at)  # (B, Hkv, C)
     rows = pos[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, C, D)
     pin = keys.device.type == "cuda"
-    return ColdLayer(_host(keys.gather(2, rows), pin), _host(values.gather(2, rows), pin), _host(pos, pin), uneven)
+    return ColdLayer(_host(keys.gather(2, rows), pin), _host(values.gather(2, rows), pin), _host(pos, pin),
+                     _host(real, pin) if uneven else None)
 
 
 def _host(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -140,6 +140,8 @@ def _spill(cold: ColdKV, folder: Path) -> None:
     for i, lay in enumerate(cold.layers):
         if lay is not None:
             tensors |= {f"{i}.keys": lay.keys, f"{i}.values": lay.values, f"{i}.positions": lay.positions}
+            if lay.real is not None:
+                tensors[f"{i}.real"] = lay.real
     path = folder / f"cold-{cold.key}.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     cold.layers = [None] * len(cold.layers)
@@ -153,9 +155,8 @@ def _unspill(cold: ColdKV) -> None:
     tensors = load_file(str(path))
     for i in range(len(cold.layers)):
         if f"{i}.keys" in tensors:
-            pos = tensors[f"{i}.positions"]  # (B, Hkv, C); a repeated position is an uneven split's padding
-            cold.layers[i] = ColdLayer(tensors[f"{i}.keys"], tensors[f"{i}.values"], pos,
-                                       bool((pos[..., 1:] == pos[..., :-1]).any()))
+            cold.layers[i] = ColdLayer(tensors[f"{i}.keys"], tensors[f"{i}.values"], tensors[f"{i}.positions"],
+                                       tensors.get(f"{i}.real"))
     path.unlink(missing_ok=True)
 
 

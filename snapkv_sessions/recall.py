@@ -1,0 +1,324 @@
+"""Decode-time recall from the cold tier: two-stage attention, so decode reads what each step needs.
+
+SnapKV's hot set is one guess, made from the observation window before decode starts. On a tiered session the
+evicted tokens are still held, exactly, in the host tier (:class:`~snapkv_sessions.tier.ColdKV`). At every
+decode step, per layer and KV head, a :class:`Selector` scores the cold slots with the step's query (the query
+heads of a GQA group reduced by their max: a slot any of them reaches for is recalled), the top ``k`` come back,
+and attention runs one exact softmax over the hot slots (this turn's decoded tokens among them) and the recalled
+ones (:func:`snapkv_sessions.attention.causal_sdpa`). Recalling every cold slot is full attention; recalling
+none is the tiered decode as before.
+
+Selectors, by registry key (:func:`register_selector` adds one):
+
+* ``"exact"``: full dot products over the cold keys (the reference; reads every cold key per step);
+* ``"sparq"``: SparQ's approximation (Ribar et al., 2024, "SparQ Attention: Bandwidth-Efficient LLM Inference",
+  arXiv:2312.04985): the ``channels`` largest components of ``|q|`` score every cold key on those channels only,
+  then the top ``k`` are attended exactly (reads ``channels / D`` of the cold keys);
+* ``"pages"``: Quest's bounds (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
+  Inference", arXiv:2406.10774): the cold slots of each head in pages of ``page`` consecutive slots, each page
+  summarised by its keys' per-channel min and max; a page's bound ``sum_d max(q_d min_d, q_d max_d)`` ranks it
+  and the best ``ceil(k / page)`` pages come back whole (the summary is ``2 / page`` of the cold keys: what
+  would stay on a device while the tier stays on the host).
+
+Where the bytes live: on a CPU the tier is host memory and a recall is a direct gather. On CUDA the cold part
+is page-locked host memory; this module gathers it where it lies (the device copy of recalled pages, and a
+device cache of recently recalled ones, are not built: no GPU was lent to measure them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .config import BUILTIN_SELECTORS, RecallConfig
+from .errors import ConfigError
+
+
+class Selector(Protocol):
+    """Chooses, for one layer's decode step, the cold slots each KV head recalls."""
+
+    def choose(self, query: torch.Tensor, keys: torch.Tensor, real: torch.Tensor | None, k: int) -> torch.Tensor:
+        """Slots to recall.
+
+        Parameters
+        ----------
+        query : (B, Hkv, G, D) the step's query, grouped by KV head (post-RoPE)
+        keys : (B, Hkv, C, D) the layer's cold keys (post-RoPE)
+        real : (B, Hkv, C) bool, False at padding slots of heads keeping uneven counts (never recalled), or None
+        k : slots to recall per head, 1 <= k <= C
+
+        Returns
+        -------
+        (B, Hkv, K) long slot indices into ``keys``, and (B, Hkv, K) bool: which of them to attend to (False: a
+        head with fewer real slots than K). Deterministic for the same inputs (replay re-executes it).
+        """
+        ...
+
+    def summary_bytes(self, keys: torch.Tensor) -> int:
+        """Bytes of the selector's summary of one layer's cold keys (what would stay on a device)."""
+        ...
+
+    def read_bytes(self, keys: torch.Tensor, k: int) -> int:
+        """Bytes one step reads of one layer's cold tier to choose (not counting the recalled slots)."""
+        ...
+
+
+def _top(scores: torch.Tensor, real: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``k`` of ``scores`` (B, Hkv, C) per head, padding never chosen: (indices, attend) (B, Hkv, k)."""
+    if real is not None:
+        scores = scores.masked_fill(~real, float("-inf"))
+    best = scores.topk(k, dim=-1)  # (B, Hkv, k)
+    return best.indices, best.values > float("-inf")
+
+
+@dataclass(frozen=True)
+class Exact:
+    """Every cold key scored by the step's query: the reference selector."""
+
+    def choose(self, query, keys, real, k):
+        scores = torch.einsum("bhgd,bhcd->bhgc", query, keys.to(query.dtype)).amax(dim=2)  # (B, Hkv, C)
+        return _top(scores, real, k)
+
+    def summary_bytes(self, keys: torch.Tensor) -> int:
+        return 0
+
+    def read_bytes(self, keys: torch.Tensor, k: int) -> int:
+        return keys.numel() * keys.element_size()
+
+
+@dataclass(frozen=True)
+class SparQ:
+    """SparQ's first stage: score on the ``channels`` largest components of the group's ``|q|``."""
+
+    channels: int = 16
+
+    def choose(self, query, keys, real, k):
+        r = min(self.channels, query.shape[-1])
+        dims = query.abs().sum(dim=2).topk(r, dim=-1).indices  # (B, Hkv, r) the head's strongest channels
+        q_r = query.gather(-1, dims[:, :, None].expand(-1, -1, query.shape[2], -1))  # (B, Hkv, G, r)
+        k_r = keys.gather(-1, dims[:, :, None].expand(-1, -1, keys.shape[2], -1)).to(query.dtype)  # (B, Hkv, C, r)
+        scores = torch.einsum("bhgr,bhcr->bhgc", q_r, k_r).amax(dim=2)  # (B, Hkv, C)
+        return _top(scores, real, k)
+
+    def summary_bytes(self, keys: torch.Tensor) -> int:
+        return 0
+
+    def read_bytes(self, keys: torch.Tensor, k: int) -> int:
+        return keys.numel() * keys.element_size() * min(self.channels, keys.shape[-1]) // keys.shape[-1]
+
+
+@dataclass
+class Pages:
+    """Quest's page bounds over the cold slots of each head; the best pages are recalled whole."""
+
+    page: int = 16
+    # the summaries already built: (the cold keys they summarise, low, high); the tier replaces a cold layer
+    # whole and never writes one in place, so the keys tensor itself says whether a summary is current
+    _memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+
+    def bounds(self, keys: torch.Tensor, real: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per page the keys' min and max per channel, (B, Hkv, Np, D) each; padding slots left out. Built once
+        per cold layer and turn."""
+        for held, low, high in self._memo:
+            if held is keys:
+                return low, high
+        bsz, heads, cold, dim = keys.shape
+        n_pages = -(-cold // self.page)
+        pad = n_pages * self.page - cold
+        k = keys.float()
+        ok = torch.ones(bsz, heads, cold, dtype=torch.bool, device=keys.device) if real is None else real
+        if pad:
+            k = torch.cat([k, k.new_zeros(bsz, heads, pad, dim)], dim=2)  # (B, Hkv, Np * page, D)
+            ok = torch.cat([ok, ok.new_zeros(bsz, heads, pad)], dim=2)
+        k = k.view(bsz, heads, n_pages, self.page, dim)  # (B, Hkv, Np, page, D)
+        ok = ok.view(bsz, heads, n_pages, self.page, 1)
+        low = k.masked_fill(~ok, float("inf")).amin(dim=3)  # (B, Hkv, Np, D)
+        high = k.masked_fill(~ok, float("-inf")).amax(dim=3)  # (B, Hkv, Np, D)
+        self._memo.append((keys, low, high))
+        return low, high
+
+    def choose(self, query, keys, real, k):
+        low, high = self.bounds(keys, real)  # (B, Hkv, Np, D)
+        q = query.float()[:, :, :, None]  # (B, Hkv, G, 1, D)
+        bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(-1).amax(dim=2)  # (B, Hkv, Np)
+        bound = bound.nan_to_num(nan=float("-inf"))  # a page of padding alone: inf * 0
+        n_pages = min(-(-k // self.page), bound.shape[-1])
+        pages = _top(bound, None, n_pages)[0]  # (B, Hkv, n)
+        slots = (pages[..., None] * self.page + torch.arange(self.page, device=keys.device)).flatten(2)  # (B, Hkv, n*page)
+        cold = keys.shape[2]
+        attend = slots < cold  # (B, Hkv, n*page) the last page may be short
+        slots = slots.clamp(max=cold - 1)
+        if real is not None:
+            attend &= real.gather(-1, slots)
+        return slots, attend
+
+    def summary_bytes(self, keys: torch.Tensor) -> int:
+        n_pages = -(-keys.shape[2] // self.page)
+        return 2 * keys.shape[0] * keys.shape[1] * n_pages * keys.shape[-1] * keys.element_size()
+
+    def read_bytes(self, keys: torch.Tensor, k: int) -> int:
+        return self.summary_bytes(keys)
+
+
+SelectorFactory = Callable[[RecallConfig], Selector]
+SELECTORS: dict[str, SelectorFactory] = {}
+
+
+def register_selector(name: str, factory: SelectorFactory, *, replace: bool = False) -> None:
+    """Make ``memory.recall.selector: name`` build ``factory(recall_config)``."""
+    if not name or not isinstance(name, str):
+        raise ConfigError("memory.recall.selector", name, "a selector key must be a non-empty string")
+    if name in SELECTORS and not replace:
+        raise ConfigError("memory.recall.selector", name, "is already registered; pass replace=True to override it")
+    SELECTORS[name] = factory
+
+
+register_selector("exact", lambda cfg: Exact())
+register_selector("sparq", lambda cfg: SparQ(cfg.channels))
+register_selector("pages", lambda cfg: Pages(cfg.page))
+assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
+
+__all__ = ["SELECTORS", "BatchRecall", "Exact", "Pages", "Recall", "RecallConfig", "RecallStats", "SparQ",
+           "register_selector", "summary_bytes"]
+
+
+@dataclass
+class RecallStats:
+    """What one turn's decode recalled (reset when the turn starts).
+
+    steps: decode steps that recalled; recalled: slots recalled and attended, all steps, layers and heads;
+    max_step: the most recalled in one step (all layers and heads); repeats: recalled slots that the same layer
+    and head also recalled the step before (what a device cache of the last step's recalls would have hit);
+    read_*: bytes read per step, summed over steps: the hot cache, the selector's reads of the tier (its
+    summary, or the cold keys it scores), and the recalled keys and values; summary_bytes: the selectors'
+    summaries of the current cold tier (what would stay on a device).
+    """
+
+    steps: int = 0
+    recalled: int = 0
+    max_step: int = 0
+    repeats: int = 0
+    read_hot: int = 0
+    read_select: int = 0
+    read_recalled: int = 0
+    summary_bytes: int = 0
+    distinct: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled this turn
+    last: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled last step
+
+    def to_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        distinct = sum(int(m.sum()) for m in self.distinct.values())
+        return {"steps": self.steps, "recalled_per_step": round(self.recalled / steps, 1),
+                "recalled_max_step": self.max_step, "distinct_recalled": distinct,
+                "repeat_rate": round(self.repeats / self.recalled, 4) if self.recalled else None,
+                "read_bytes_per_step": {"hot": self.read_hot // steps, "select": self.read_select // steps,
+                                        "recalled": self.read_recalled // steps},
+                "summary_bytes": self.summary_bytes}
+
+
+class Recall:
+    """The recall of one session's decode: per layer, the cold slots each KV head's step query reaches for.
+
+    Built by the tiered cache for its decode forwards (:meth:`~snapkv_sessions.tier.TieredCache.recall`) and
+    read by the attention function (``snapkv_recall=``): :meth:`extra` returns the recalled keys and values.
+    ``observer(layer, positions)`` (tests, the audit) gets each step's recalled true positions (B, Hkv, K), -1
+    where a head attends to fewer.
+    """
+
+    def __init__(self, cfg: RecallConfig, cold, stats: RecallStats) -> None:
+        self.cfg, self.cold, self.stats = cfg, cold, stats
+        self.selector = SELECTORS[cfg.selector](cfg)
+        self.context = 0  # true positions at this step (set by the cache before each step)
+        self.hot_bytes = 0
+        self.observer: Callable[[int, torch.Tensor], None] | None = None
+        self._step_total = 0
+
+    def begin_step(self, context: int, hot_bytes: int) -> None:
+        if self._step_total or self.stats.steps:
+            self.stats.max_step = max(self.stats.max_step, self._step_total)
+        self._step_total = 0
+        self.context, self.hot_bytes = context, hot_bytes
+        self.stats.steps += 1
+        self.stats.read_hot += hot_bytes
+
+    def end(self) -> None:
+        self.stats.max_step = max(self.stats.max_step, self._step_total)
+
+    def extra(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The recalled keys and values of ``layer`` for this step, (B, Hkv, K, D) each, and (B, Hkv, 1, K) bool:
+        which to attend to; None when the layer has nothing cold or the budget is 0.
+
+        ``query`` (B, Hq, 1, D): the step's query, post-RoPE."""
+        part = self.cold.layers[layer]
+        if part is None:
+            return None
+        keys, values = part.keys, part.values  # (B, Hkv, C, D), on the host; the model's device on a CPU
+        k = min(self.cfg.slots(self.context), keys.shape[2])
+        if k <= 0:
+            return None
+        bsz, n_q, _, dim = query.shape
+        heads = keys.shape[1]
+        grouped = query.view(bsz, heads, n_q // heads, dim)  # (B, Hkv, G, D)
+        cold_keys = keys.to(query.device)
+        idx, attend = self.selector.choose(grouped, cold_keys, None if part.real is None else part.real.to(query.device), k)
+        rows = idx[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, K, D)
+        rec_k = cold_keys.gather(2, rows).to(query.dtype)  # (B, Hkv, K, D)
+        rec_v = values.to(query.device).gather(2, rows).to(query.dtype)
+        self._account(layer, part, idx, attend, cold_keys, k)
+        if self.observer is not None:
+            positions = part.positions.to(query.device).gather(-1, idx).masked_fill(~attend, -1)  # (B, Hkv, K)
+            self.observer(layer, positions)
+        return rec_k, rec_v, attend[:, :, None]  # (B, Hkv, 1, K)
+
+    def _account(self, layer: int, part, idx: torch.Tensor, attend: torch.Tensor, keys: torch.Tensor, k: int) -> None:
+        stats = self.stats
+        n = int(attend.sum())
+        stats.recalled += n
+        self._step_total += n
+        stats.read_select += self.selector.read_bytes(keys, k)
+        stats.read_recalled += 2 * n * keys.shape[-1] * keys.element_size()
+        now = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)  # (B, Hkv, C)
+        now.scatter_(-1, idx, attend)
+        before = stats.last.get(layer)
+        if before is not None and before.shape == now.shape:
+            stats.repeats += int((before & now).sum())
+        stats.last[layer] = now
+        seen = stats.distinct.get(layer)
+        stats.distinct[layer] = now if seen is None or seen.shape != now.shape else seen | now
+
+
+class BatchRecall:
+    """The recalls of a batched decode step's slots (:mod:`snapkv_sessions.batch`): each slot recalls from its
+    own tier (None: a slot without recall); rows are padded to the slot that recalls the most, the padding hidden
+    by the mask, so each row equals its session's step taken alone."""
+
+    def __init__(self, recalls: list[Recall | None]) -> None:
+        self.recalls = recalls
+
+    def extra(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``query`` (n, Hq, 1, D); returns keys and values (n, Hkv, K, D) and the mask (n, Hkv, 1, K), or None."""
+        got = [None if rec is None else rec.extra(layer, query[i : i + 1]) for i, rec in enumerate(self.recalls)]
+        present = [g for g in got if g is not None]
+        if not present:
+            return None
+        width = max(g[0].shape[2] for g in present)
+        like_k, like_v, _ = present[0]
+        bsz = len(got)
+        heads, dim = like_k.shape[1], like_k.shape[-1]
+        keys = like_k.new_zeros(bsz, heads, width, dim)  # (n, Hkv, K, D)
+        values = like_v.new_zeros(bsz, heads, width, like_v.shape[-1])
+        attend = torch.zeros(bsz, heads, 1, width, dtype=torch.bool, device=like_k.device)  # (n, Hkv, 1, K)
+        for i, g in enumerate(got):
+            if g is not None:
+                k = g[0].shape[2]
+                keys[i, :, :k], values[i, :, :k], attend[i, :, :, :k] = g[0][0], g[1][0], g[2][0]
+        return keys, values, attend
+
+
+def summary_bytes(cfg: RecallConfig, cold) -> int:
+    """The selector's summaries of every cold layer of ``cold`` (what would stay on a device)."""
+    selector = SELECTORS[cfg.selector](cfg)
+    return sum(selector.summary_bytes(part.keys) for part in cold.layers if part is not None)

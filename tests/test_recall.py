@@ -1,0 +1,170 @@
+"""Decode-time recall from the cold tier: equal to the full cache when it recalls everything, to the tiered decode
+when it recalls nothing, to a masked-attention reference allowing exactly what each selector chose; batched rows
+equal each session alone; the policy keys; a stored session through replay --verify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_tiny
+from reference import full_logits_masked
+
+from snapkv_sessions import CompressionConfig, GenerationConfig, ModelRunner
+from snapkv_sessions.batch import decode_step
+from snapkv_sessions.config import RecallConfig
+from snapkv_sessions.errors import ConfigError
+from snapkv_sessions.policy import Policy, PolicyError
+
+GREEDY = GenerationConfig(max_new_tokens=8, eos_token_ids=())
+HOT = CompressionConfig.make(budget=16, window=4, kernel=3)
+SELECTORS = [{"selector": "exact"}, {"selector": "sparq", "channels": 4}, {"selector": "pages", "page": 3}]
+
+
+def prompt(n: int, seed: int = 1, vocab: int = 96) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def turns(runner: ModelRunner, state, cfg) -> list[list[int]]:
+    """Three turns' greedy replies (the later turns feed each reply back, so every turn depends on the last)."""
+    return [runner.turn(state, prompt(40 if t == 0 else 8, seed=t + 1), cfg, GREEDY).tokens for t in range(3)]
+
+
+@pytest.mark.parametrize("select", SELECTORS, ids=lambda s: s["selector"])
+def test_recalling_every_cold_slot_equals_the_full_cache(tiny_kind, select):
+    runner = ModelRunner(build_tiny(tiny_kind, seed=3))
+    full = runner.new_state()
+    recall = runner.new_state(tiered=True, recall=RecallConfig.make(ratio=1.0, **select))
+    assert turns(runner, recall, HOT) == turns(runner, full, CompressionConfig.make(budget=10_000, window=4))
+    assert recall.reports[-1].compressed  # the hot cache held 16 of ~100 positions
+    # the logits too: one more turn's prefill (its run leaves the turn's decode open), then step by step
+    for state, cfg in ((recall, HOT), (full, None)):
+        runner.run(state, *_plan(runner, state, prompt(6, seed=9), cfg))
+    logits = [[runner.step(s, t) for t in (5, 7, 11)] for s in (recall, full)]
+    for a, b in zip(*logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _plan(runner, state, ids, cfg):
+    from snapkv_sessions.transcript import TurnPlan, observation_window
+
+    first = state.next_position + len(state.pending)
+    window = observation_window(4, len(state.pending) + len(ids), first + len(ids)) if cfg else None
+    return TurnPlan(tokens=tuple(ids), first_position=first, pinned=(), window=window), cfg
+
+
+def test_recall_of_nothing_equals_the_tiered_decode():
+    runner = ModelRunner(build_tiny("qwen2", seed=3))
+    zero = runner.new_state(tiered=True, recall=RecallConfig.make(budget=0))
+    plain = runner.new_state(tiered=True)
+    assert turns(runner, zero, HOT) == turns(runner, plain, HOT)
+    assert zero.reports[-1].tier["recall"]["recalled_per_step"] == 0
+    # and recall does change the replies here (the test is not vacuous)
+    some = runner.new_state(tiered=True, recall=RecallConfig.make(budget=6))
+    assert turns(runner, some, HOT) != turns(runner, runner.new_state(tiered=True), HOT)
+
+
+@pytest.mark.parametrize("select", SELECTORS, ids=lambda s: s["selector"])
+def test_each_selector_equals_masked_attention_over_what_it_chose(tiny_kind, select):
+    """Every decode step's logits equal full eager attention where the step's row sees exactly: the hot set
+    after the compression, this turn's decoded tokens, and the cold positions the selector recalled."""
+    model = build_tiny(tiny_kind, seed=4)
+    runner = ModelRunner(model)
+    state = runner.new_state(tiered=True, recall=RecallConfig.make(budget=5, **select))
+    ids = prompt(48, seed=5)
+    logits, probe = runner.prefill(state, ids, window=4)
+    runner.compress(state, HOT, probe)
+    state.cache.prefill_done(state)
+    hot = [[{p for p in row if p >= 0} for row in k[0].tolist()] for k in state.held()]
+    recalled: dict[tuple[int, int], list[set[int]]] = {}  # (position, layer) -> per head, recalled positions
+    got: dict[int, torch.Tensor] = {}
+    # the step's query position is the state's next position while the step runs (appended after the forward)
+    state.cache.current_recall.observer = lambda layer, pos: recalled.__setitem__(
+        (state.next_position, layer), [{p for p in row if p >= 0} for row in pos[0].tolist()])
+    for _ in range(6):
+        at = state.next_position
+        logits = runner.step(state, int(logits.argmax()))
+        got[at] = logits
+    report = state.cache.decode_done(state)
+    assert report["steps"] == 6 and report["recalled_per_step"] > 0
+    total = state.next_position
+    masks = []
+    heads = runner.num_kv_heads
+    for layer in range(runner.num_layers):
+        mask = torch.ones(total, total, dtype=torch.bool).tril().expand(heads, total, total).clone()  # (Hkv, T, T)
+        for at in got:
+            for h in range(heads):
+                row = torch.zeros(total, dtype=torch.bool)
+                allowed = hot[layer][h] | recalled[(at, layer)][h] | set(range(len(ids), at + 1))
+                row[sorted(allowed)] = True
+                mask[h, at] = row
+        masks.append(mask)
+    runner.detach()
+    ref = full_logits_masked(model, state.token_ids, masks)  # (T, V)
+    for at, logits in got.items():
+        torch.testing.assert_close(logits, ref[at], rtol=1e-4, atol=1e-4)
+    assert any(recalled[(at, 0)][0] for at in got)  # something was recalled
+
+
+def test_batched_slots_recall_their_own_and_equal_each_alone():
+    runner = ModelRunner(build_tiny("llama", seed=3))
+    short = GenerationConfig(max_new_tokens=4, eos_token_ids=())
+    a = runner.new_state(tiered=True, recall=RecallConfig.make(budget=5))
+    runner.turn(a, prompt(40), HOT, short)
+    b = runner.new_state(tiered=True, recall=RecallConfig.make(budget=3, selector="pages", page=2))
+    runner.turn(b, prompt(30, seed=3), HOT, short)
+    c = runner.new_state()  # no tier at all, in the same batch
+    runner.turn(c, prompt(25, seed=4), HOT, short)
+    states = [a, b, c]
+    alone = [s.clone() for s in states]
+    tokens = [s.pending[0] for s in states]
+    for s in states + alone:
+        s.pending = []
+        s.cache.prefill_done(s)  # a turn's decode: recall is on
+    for _ in range(3):
+        batched = decode_step(runner, states, tokens)  # (3, V)
+        for i, s in enumerate(alone):
+            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
+        tokens = [int(row.argmax()) for row in batched]
+    assert a.cache.decode_done(a)["recalled_per_step"] > 0
+
+
+def test_recall_policy_is_validated_and_off_by_default():
+    plain = Policy.from_dict({"memory": {"cold": True}})
+    assert plain.memory.recall is None
+    assert plain.sha256 == Policy.from_dict({"memory": {"cold": True, "recall": None}}).sha256
+    on = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "selector": "pages", "page": 8}}})
+    assert on.memory.recall == RecallConfig.make(ratio=0.1, selector="pages", page=8)
+    assert on.sha256 != Policy.from_dict({"memory": {}}).sha256
+    for bad, field in (({"ratio": 1.5}, "memory.recall.ratio"), ({"budget": 2, "ratio": 0.1}, "memory.recall"),
+                       ({"ratio": 0.1, "selector": "nope"}, "memory.recall.selector"),
+                       ({"ratio": 0.1, "page": 0}, "memory.recall.page"), ({"ratio": 0.1, "x": 1}, "memory.recall.x")):
+        with pytest.raises(PolicyError) as err:
+            Policy.from_dict({"memory": {"recall": bad}})
+        assert err.value.param == field, (bad, err.value)
+    with pytest.raises(ConfigError):
+        ModelRunner(build_tiny("llama"), cache="dynamic").new_state(recall=RecallConfig.make(budget=1))
+
+
+@pytest.mark.slow
+def test_a_stored_session_with_recall_equals_the_full_cache_and_verifies(smollm2, tmp_path):
+    """SmolLM2: a tiered session recalling every cold slot answers as a session whose budget holds everything;
+    its turn records carry the recall figures, and replay --verify re-executes it identically."""
+    from snapkv_sessions import Session, SessionStore
+    from snapkv_sessions.audit import verify
+
+    store = SessionStore(f"sqlite:///{tmp_path / 's.db'}")
+    questions = ("Name three colours.", "Which of them is the warmest?", "Say the first one again.")
+    replies = {}
+    for name, memory, budget in (("recall", {"cold": True, "recall": {"ratio": 1.0}}, 40),
+                                 ("full", {"cold": False}, 100_000)):
+        policy = {"compression": {"budget": budget, "window": 8}, "memory": memory}
+        session = Session.create(smollm2, policy=policy, store=store, system="You are brief.")
+        replies[name] = [session.chat(q, max_new_tokens=12).token_ids for q in questions]
+        replies[name + "_id"] = session.id
+    assert replies["recall"] == replies["full"]
+    recs = store.turns(replies["recall_id"], status="done")
+    figures = [r.compression["tier"]["recall"] for r in recs if r.compression and r.compression.get("tier")
+               and "recall" in r.compression["tier"]]
+    assert figures and all(f["steps"] > 0 and f["recalled_per_step"] > 0 for f in figures)
+    assert verify(store, replies["recall_id"], smollm2).ok
