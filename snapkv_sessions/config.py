@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Literal
+from typing import Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -40,7 +40,21 @@ def registered_scorers() -> tuple[str, ...]:
     return tuple(scorers.SCORERS) if scorers is not None else BUILTIN_SCORERS
 
 
-class CompressionConfig(BaseModel):
+class _Settings(BaseModel):
+    """A validated, frozen settings section; :meth:`make` reports a bad field as a :class:`ConfigError`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def make(cls, **kwargs: object) -> Self:
+        """Build one, turning pydantic's errors into a :class:`ConfigError` naming field and value."""
+        try:
+            return cls(**kwargs)
+        except ValidationError as exc:
+            raise _config_error(exc, kwargs) from None
+
+
+class CompressionConfig(_Settings):
     """How SnapKV compresses the cache after each turn's prefill.
 
     Parameters
@@ -97,8 +111,6 @@ class CompressionConfig(BaseModel):
         :class:`~snapkv_sessions.errors.BudgetError`; ``"grow"`` keeps every pinned position and grows that
         layer's budget by the excess.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     budget: int | None = 1024
     budget_ratio: float | None = None
@@ -189,14 +201,6 @@ class CompressionConfig(BaseModel):
             raise ValueError(f"{exc.param}={bounded_repr(exc.value)} {exc.reason}") from None
         return self
 
-    @classmethod
-    def make(cls, **kwargs: object) -> CompressionConfig:
-        """Build a config, turning pydantic's errors into a :class:`ConfigError` naming field and value."""
-        try:
-            return cls(**kwargs)
-        except ValidationError as exc:
-            raise _config_error(exc, kwargs) from None
-
     def budget_for(self, context_tokens: int) -> int:
         """Tokens kept per layer (uniform strategy) for a context of ``context_tokens`` true positions."""
         if self.budget is not None:
@@ -227,7 +231,7 @@ def _dotted(given: dict[str, object], path: str, default: object) -> object:
     return value
 
 
-class RecallConfig(BaseModel):
+class RecallConfig(_Settings):
     """Decode-time recall from the tiered memory's host tier (the policy's ``memory.recall``; two-stage attention,
     :mod:`snapkv_sessions.recall`): at every decode step each layer and KV head also attends to the cold slots
     the step's query reaches for.
@@ -248,8 +252,6 @@ class RecallConfig(BaseModel):
     page:
         Quest's page size, in slots.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     budget: int | None = None
     ratio: float | None = None
@@ -278,14 +280,6 @@ class RecallConfig(BaseModel):
         if self.page < 1:
             raise ValueError(f"page={self.page} must be >= 1")
         return self
-
-    @classmethod
-    def make(cls, **kwargs: object) -> RecallConfig:
-        """Build one, turning pydantic's errors into a :class:`ConfigError` naming field and value."""
-        try:
-            return cls(**kwargs)
-        except ValidationError as exc:
-            raise _config_error(exc, kwargs) from None
 
     def slots(self, context: int) -> int:
         """Cold slots each layer and KV head recalls per step, for a context of ``context`` true positions."""
