@@ -277,3 +277,57 @@ def _int_list(name: str, text: str) -> list[int]:
     if not values or any(v < 0 for v in values):
         raise click.BadParameter(f"{text[:80]!r}: give non-negative integers", param_hint=f"--{name}")
     return values
+
+
+def _float_list(name: str, text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give comma-separated numbers", param_hint=name) from None
+    if any(not 0.0 <= v <= 1.0 for v in values):
+        raise click.BadParameter(f"{text!r}: every ratio must be in [0, 1]", param_hint=name)
+    return values
+
+
+@bench.command("recall")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--sessions", "n_sessions", default=2, show_default=True,
+              help="Scripted bench shift sessions (10 turns each).")
+@click.option("--hots", default="0.1,0.2", show_default=True, help="Hot budget ratios.")
+@click.option("--recalls", default="0.05,0.1", show_default=True, help="Recall budgets, as shares of the context.")
+@click.option("--selectors", default="exact,sparq,pages", show_default=True, help="Recall selectors.")
+@click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
+@click.option("--results", default=None,
+              help="JSONL file: one line per session and condition, appended; a rerun resumes.")
+@click.option("--cost-lengths", default="4096,8192", show_default=True,
+              help="Lengths for the TPOT comparison ('' skips it).")
+@click.option("--steps", default=32, show_default=True, help="Decode steps timed per condition.")
+@click.option("--dtype", default="bfloat16", type=click.Choice(["float32", "bfloat16"]), show_default=True)
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps, dtype,
+                 out, as_json) -> None:
+    """Decode-time recall from the tier: replies equal to the full cache's, turn by turn, and TPOT side by side."""
+    from ..bench import quality, recall
+    from ..recall import SELECTORS
+
+    chosen = tuple(s.strip() for s in selectors.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in SELECTORS]
+    if unknown:
+        raise click.BadParameter(f"{unknown}: registered selectors are {sorted(SELECTORS)}", param_hint="--selectors")
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    runner = quality.load_runner(model, dtype)
+    hot_list, recall_list = _float_list("--hots", hots), _float_list("--recalls", recalls)
+    summary = recall.run_quality(runner, list(range(500, 500 + n_sessions)), hot_list, recall_list, max_new_tokens,
+                                 results, selectors=chosen, log=log) if n_sessions else {}
+    lengths = _int_list("cost-lengths", cost_lengths) if cost_lengths.strip() else []
+    cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=log) if lengths else {}
+    result = {"benchmark": "recall", "model": model, "dtype": dtype, "summary": summary, "cost": cost}
+
+    def table(res: dict) -> str:
+        return "\n\n".join(t for t in (recall.quality_table(res["summary"]) if res["summary"] else "",
+                                       recall.cost_table(res["cost"]) if res["cost"] else "") if t)
+
+    _emit(result, out, as_json, table)

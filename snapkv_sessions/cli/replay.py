@@ -13,13 +13,27 @@ def _fmt(value, spec: str = "") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _kv_cells(row: dict, kv: str, tiered: bool) -> list[str]:
+def _kv_cells(row: dict, kv: str, tiered: bool, recalling: bool = False) -> list[str]:
     tier = row.get("tier")
     if not tiered:
         return [kv]
     if not tier:
-        return [kv, "-", "-"]
-    return [f"{tier['hot_bytes']:,}/{tier['cold_bytes']:,}", f"{tier['streamed_bytes']:,}", str(tier["recalled"])]
+        return [kv, "-", "-"] + (["-"] if recalling else [])
+    cells = [f"{tier['hot_bytes']:,}/{tier['cold_bytes']:,}", f"{tier['streamed_bytes']:,}", str(tier["recalled"])]
+    if recalling:
+        cells.append(_recall_cell(tier.get("recall")))
+    return cells
+
+
+def _recall_cell(rec: dict | None) -> str:
+    """Decode-time recall of a turn: slots per step (mean/max, all layers and heads), distinct positions recalled,
+    the share a cache of the previous step's recalls would hit, and bytes read per step (hot+select+recalled)."""
+    if not rec:
+        return "-"
+    read = rec["read_bytes_per_step"]
+    repeat = "-" if rec["repeat_rate"] is None else f"{rec['repeat_rate']:.0%}"
+    return (f"{rec['recalled_per_step']:g}/{rec['recalled_max_step']} d{rec['distinct_recalled']} hit {repeat} "
+            f"read {read['hot']:,}+{read['select']:,}+{read['recalled']:,}")
 
 
 def _replay_table(rows: list[dict]) -> str:
@@ -30,8 +44,9 @@ def _replay_table(rows: list[dict]) -> str:
     cols = ["turn", "context", "kept", "system", "developer", "tool_schema", "document", "user", "assistant",
             "layer min..max", "drift", "decision", "comp ms", "prefill ms", "decode ms", "KV bytes"]
     tiered = any(r.get("tier") for r in rows)
+    recalling = any((r.get("tier") or {}).get("recall") for r in rows)
     if tiered:  # hot/cold bytes after the turn, cold bytes streamed, slots recalled from cold to hot
-        cols = cols[:-1] + ["hot/cold KV", "streamed", "recalled"]
+        cols = cols[:-1] + ["hot/cold KV", "streamed", "recalled"] + (["decode recall"] if recalling else [])
     for col in cols:
         table.add_column(col, justify="right" if col not in ("decision",) else "left")
     for r in rows:
@@ -43,7 +58,7 @@ def _replay_table(rows: list[dict]) -> str:
         table.add_row(str(r["turn"]), _fmt(r["context_tokens"]), kept,
                       *[("-" if k not in roles else f"{roles[k]:.0%}") for k in cols[3:9]], ret,
                       _fmt(r["drift_score"], ".3f"), decision or "-", _fmt(r["compression_ms"], ".1f"),
-                      _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), *_kv_cells(r, kv, tiered))
+                      _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), *_kv_cells(r, kv, tiered, recalling))
     console = Console(width=200, record=True, color_system=None, highlight=False, soft_wrap=True)
     with console.capture() as cap:
         console.print(table)

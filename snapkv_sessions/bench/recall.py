@@ -1,0 +1,176 @@
+"""``bench recall``: decode-time recall from the tier against the full cache, turn by turn, and what it costs.
+
+Quality: the scripted multi-turn sessions of ``bench shift`` (a staff directory, ten turns of lookups, follow-ups
+and task switches) run under the full cache and, tiered, under each hot budget alone and with each recall budget
+and selector. Every turn's reply is compared with the full cache's; accuracy is bench shift's. Device-resident
+bytes are the hot cache plus the selector's summary, against the whole context's KV (hot plus cold). One JSON
+line per (scenario, condition) is appended to the results file; a rerun skips what the file holds.
+
+Cost: at each length, one prefill of a document; then, from copies of that state, the full cache, the hot cache
+alone and the hot cache with each recall each decode the same tokens; the time per output token (TPOT) and the
+bytes each step reads are measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import CompressionConfig, RecallConfig
+from ..policy import Policy
+from .shift import SYSTEM, make_scenario, run_session
+
+SELECTORS = ("exact", "sparq", "pages")
+
+
+def conditions(hots: list[float], recalls: list[float], selectors: tuple[str, ...] = SELECTORS) -> dict[str, dict]:
+    """Condition name -> policy spec: the full cache, then per hot ratio the tier alone and with each recall."""
+    out = {"full": {"compression": {"budget": 1 << 20, "window": 32}, "memory": {"cold": False}}}
+    for hot in hots:
+        out[f"hot{hot}"] = {"compression": {"budget_ratio": hot, "window": 32}, "memory": {"cold": True}}
+        for ratio in recalls:
+            for sel in selectors:
+                out[f"hot{hot}+{sel}{ratio}"] = {"compression": {"budget_ratio": hot, "window": 32},
+                                                 "memory": {"cold": True, "recall": {"ratio": ratio, "selector": sel}}}
+    return out
+
+
+def policy_for(name: str, spec: dict) -> Policy:
+    return Policy.from_dict({"name": name, "pins": {"roles": ["system"], "sink_tokens": 4},
+                             "drift": {"embedder": "none"}, **spec})
+
+
+def _done(path: Path | None) -> dict[tuple[int, str], dict]:
+    if path is None or not path.exists():
+        return {}
+    rows = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[(row["seed"], row["condition"])] = row
+    return rows
+
+
+def run_quality(runner, seeds: list[int], hots: list[float], recalls: list[float], max_new_tokens: int,
+                results: str | None = None, records: int = 40, selectors: tuple[str, ...] = SELECTORS,
+                log=print) -> dict:
+    """Run (or resume) the grid; returns the summary over every row the results file holds for these seeds."""
+    path = Path(results) if results else None
+    done = _done(path)
+    conds = conditions(hots, recalls, selectors)
+    t0 = time.perf_counter()
+    for seed in seeds:
+        scenario = make_scenario(seed, records=records)
+        for name, spec in conds.items():
+            if (seed, name) in done:
+                continue
+            t1 = time.perf_counter()
+            turns = run_session(runner, scenario, policy_for(name, spec), max_new_tokens)
+            row = {"seed": seed, "condition": name, "minutes": round((time.perf_counter() - t1) / 60, 2),
+                   "turns": [_turn(t) for t in turns]}
+            done[(seed, name)] = row
+            if path is not None:
+                with path.open("a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+            log(f"seed {seed} {name}: {sum(t['correct'] for t in row['turns'])}/{len(turns)} right "
+                f"({row['minutes']} min, {(time.perf_counter() - t0) / 60:.1f} min in all)")
+    return summarise([done[(s, n)] for s in seeds for n in conds if (s, n) in done], list(conds))
+
+
+def _turn(t: dict) -> dict:
+    tier = t.get("tier") or {}
+    recall = tier.get("recall") or {}
+    return {"correct": t["correct"], "tokens": t["tokens"], "context": t["context"],
+            "hot_bytes": tier.get("hot_bytes"), "cold_bytes": tier.get("cold_bytes"),
+            "summary_bytes": recall.get("summary_bytes", 0), "recalled_per_step": recall.get("recalled_per_step"),
+            "repeat_rate": recall.get("repeat_rate"), "read_per_step": recall.get("read_bytes_per_step")}
+
+
+def summarise(rows: list[dict], names: list[str]) -> dict:
+    """Per condition: turns, accuracy, the share of turns whose reply equals the full cache's (same seed and
+    turn), device-resident bytes against the whole context's, recalled slots per step and their repeat rate."""
+    full = {r["seed"]: r["turns"] for r in rows if r["condition"] == "full"}
+    out = {}
+    for name in names:
+        mine = [r for r in rows if r["condition"] == name]
+        turns = [t for r in mine for t in r["turns"]]
+        if not turns:
+            continue
+        same = [t["tokens"] == full[r["seed"]][i]["tokens"] for r in mine if r["seed"] in full
+                for i, t in enumerate(r["turns"])]
+        shares = [(t["hot_bytes"] + t["summary_bytes"]) / (t["hot_bytes"] + t["cold_bytes"])
+                  for t in turns if t["hot_bytes"] and t["cold_bytes"] is not None]
+        recalled = [t["recalled_per_step"] for t in turns if t["recalled_per_step"] is not None]
+        repeats = [t["repeat_rate"] for t in turns if t["repeat_rate"] is not None]
+        out[name] = {"sessions": len(mine), "turns": len(turns),
+                     "accuracy": round(sum(t["correct"] for t in turns) / len(turns), 3),
+                     "equal_to_full": round(sum(same) / len(same), 3) if same else None,
+                     "device_bytes_share": round(statistics.mean(shares), 3) if shares else 1.0,
+                     "recalled_per_step": round(statistics.mean(recalled), 1) if recalled else None,
+                     "repeat_rate": round(statistics.mean(repeats), 3) if repeats else None}
+    return out
+
+
+def quality_table(summary: dict) -> str:
+    head = f"{'condition':<22} {'turns':>5} {'acc':>6} {'=full':>6} {'device':>7} {'recall/step':>11} {'repeat':>7}"
+    lines = [head, "-" * len(head)]
+    for name, c in summary.items():
+        lines.append(f"{name:<22} {c['turns']:>5} {c['accuracy']:>6.2f} {c['equal_to_full'] or 0:>6.2f} "
+                     f"{c['device_bytes_share']:>7.2f} {c['recalled_per_step'] or 0:>11} {c['repeat_rate'] or 0:>7}")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def run_cost(runner, lengths: list[int], hot: float, recall: float, steps: int, log=print) -> dict:
+    """TPOT of the full cache, the hot cache alone and hot + recall (each selector) at each length, side by
+    side from one prefill per length; and the bytes one step reads."""
+    from ..transcript import observation_window
+
+    tok = runner.tokenizer
+    out = {}
+    for length in lengths:
+        scenario = make_scenario(7, records=max(8, length // 40))
+        text = f"{SYSTEM}\n{scenario.document}\n{scenario.turns[0].question}"
+        ids = tok(text)["input_ids"][:length]
+        base = runner.new_state(tiered=True)
+        window = observation_window(32, len(ids), len(ids))
+        t0 = time.perf_counter()
+        logits, probe = runner.prefill(base, ids, window=window)
+        prefill_s = time.perf_counter() - t0
+        cells = {}
+        for name, rc in [("full", None), (f"hot{hot}", None),
+                         *((f"hot{hot}+{s}{recall}", RecallConfig.make(ratio=recall, selector=s)) for s in SELECTORS)]:
+            state = base.clone()
+            if name != "full":
+                runner.compress(state, CompressionConfig.make(budget_ratio=hot, window=32), probe)
+            state.cache.recall_config = rc
+            state.cache.prefill_done(state)
+            state.cache.reserve(steps)
+            token = int(logits.argmax())
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                token = int(runner.step(state, token).argmax())
+            tpot = (time.perf_counter() - t1) / steps
+            figures = state.cache.decode_done(state) or {}
+            read = figures.get("read_bytes_per_step") or {"hot": state.kv_bytes(), "select": 0, "recalled": 0}
+            cells[name] = {"tpot_ms": round(tpot * 1e3, 2), "hot_bytes": state.kv_bytes(),
+                           "read_bytes_per_step": read, "summary_bytes": figures.get("summary_bytes", 0)}
+            log(f"length {length} {name}: {cells[name]['tpot_ms']} ms/token")
+        full_read = cells["full"]["read_bytes_per_step"]["hot"]
+        for cell in cells.values():
+            cell["read_vs_full"] = round(sum(cell["read_bytes_per_step"].values()) / full_read, 3)
+            cell["tpot_vs_full"] = round(cell["tpot_ms"] / cells["full"]["tpot_ms"], 3)
+        out[str(length)] = {"tokens": len(ids), "prefill_s": round(prefill_s, 1), "cells": cells}
+    return out
+
+
+def cost_table(cost: dict) -> str:
+    lines = [f"{'length':>6} {'condition':<22} {'TPOT ms':>8} {'x full':>7} {'read x full':>11}"]
+    for length, res in cost.items():
+        for name, c in res["cells"].items():
+            lines.append(f"{length:>6} {name:<22} {c['tpot_ms']:>8} {c['tpot_vs_full']:>7} {c['read_vs_full']:>11}")
+    return "\n".join(lines)

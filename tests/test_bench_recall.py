@@ -1,0 +1,78 @@
+"""``bench recall``: its conditions, the summary's arithmetic, resuming a results file, and a small cost run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from snapkv_sessions.bench import recall as bench
+from snapkv_sessions.cli import main
+
+
+def test_conditions_cover_hot_alone_and_each_recall():
+    conds = bench.conditions([0.1, 0.2], [0.05], ("exact", "pages"))
+    assert list(conds) == ["full", "hot0.1", "hot0.1+exact0.05", "hot0.1+pages0.05", "hot0.2", "hot0.2+exact0.05",
+                           "hot0.2+pages0.05"]
+    policy = bench.policy_for("hot0.2+pages0.05", conds["hot0.2+pages0.05"])
+    assert policy.tiered and policy.memory.recall.selector == "pages" and policy.memory.recall.ratio == 0.05
+    assert not bench.policy_for("full", conds["full"]).tiered
+
+
+def _turn(tokens, correct=True, hot=100, cold=300, summary=0, recalled=None, repeat=None):
+    return {"tokens": tokens, "correct": correct, "context": 400, "hot_bytes": hot, "cold_bytes": cold,
+            "summary_bytes": summary, "recalled_per_step": recalled, "repeat_rate": repeat, "read_per_step": None}
+
+
+def test_summary_compares_each_turn_with_the_full_cache():
+    rows = [{"seed": 1, "condition": "full", "turns": [_turn([1, 2]), _turn([3])]},
+            {"seed": 1, "condition": "hot0.2", "turns": [_turn([1, 2]), _turn([4], correct=False)]},
+            {"seed": 1, "condition": "hot0.2+exact0.1", "turns": [_turn([1, 2], summary=0, recalled=8.0, repeat=0.5),
+                                                                  _turn([3], summary=40, recalled=6.0, repeat=0.7)]}]
+    out = bench.summarise(rows, ["full", "hot0.2", "hot0.2+exact0.1"])
+    assert out["full"]["equal_to_full"] == 1.0
+    assert out["hot0.2"] == {"sessions": 1, "turns": 2, "accuracy": 0.5, "equal_to_full": 0.5,
+                             "device_bytes_share": 0.25, "recalled_per_step": None, "repeat_rate": None}
+    assert out["hot0.2+exact0.1"]["equal_to_full"] == 1.0
+    assert out["hot0.2+exact0.1"]["device_bytes_share"] == round((0.25 + 140 / 400) / 2, 3)
+    assert out["hot0.2+exact0.1"]["recalled_per_step"] == 7.0 and out["hot0.2+exact0.1"]["repeat_rate"] == 0.6
+
+
+def test_a_rerun_resumes_from_the_results_file(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_session(runner, scenario, policy, max_new_tokens):
+        ran.append(policy.name)
+        return [{"correct": True, "tokens": [1], "context": 10, "tier": None}]
+
+    monkeypatch.setattr(bench, "run_session", fake_session)
+    results = tmp_path / "r.jsonl"
+    results.write_text(json.dumps({"seed": 500, "condition": "full", "minutes": 0.1,
+                                   "turns": [bench._turn({"correct": True, "tokens": [1], "context": 10})]}) + "\n")
+    summary = bench.run_quality(None, [500], [0.2], [0.1], 4, str(results), selectors=("exact",), log=lambda m: None)
+    assert ran == ["hot0.2", "hot0.2+exact0.1"]  # "full" was in the file already
+    assert len(results.read_text().splitlines()) == 3
+    assert set(summary) == {"full", "hot0.2", "hot0.2+exact0.1"}
+    ran.clear()
+    bench.run_quality(None, [500], [0.2], [0.1], 4, str(results), selectors=("exact",), log=lambda m: None)
+    assert ran == []  # everything is done
+
+
+def test_bad_options_are_clean_errors():
+    res = CliRunner().invoke(main, ["bench", "recall", "--selectors", "exact,nope", "--sessions", "0"])
+    assert res.exit_code == 2 and "nope" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["bench", "recall", "--hots", "2", "--sessions", "0"])
+    assert res.exit_code == 2 and "[0, 1]" in res.output
+
+
+@pytest.mark.slow
+def test_cost_run_side_by_side(smollm2):
+    res = CliRunner().invoke(main, ["bench", "recall", "--model", "smollm2-135m-instruct", "--sessions", "0",
+                                    "--cost-lengths", "200", "--steps", "2", "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.output
+    cells = json.loads(res.output)["cost"]["200"]["cells"]
+    assert list(cells) == ["full", "hot0.2", "hot0.2+exact0.1", "hot0.2+sparq0.1", "hot0.2+pages0.1"]
+    assert cells["full"]["read_vs_full"] == 1.0
+    assert cells["hot0.2"]["read_vs_full"] < 0.5  # the hot cache alone reads its budget's bytes
+    assert cells["hot0.2+pages0.1"]["summary_bytes"] > 0 and cells["hot0.2+exact0.1"]["summary_bytes"] == 0
