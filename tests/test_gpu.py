@@ -128,6 +128,12 @@ def test_gpu_check_cpu_mode():
     batched = out["batched_decode"]
     assert [r["sessions"] for r in batched["rows"]] == [1, 2, 4, 8] and batched["first_step_equal_alone"] is True
     assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in batched["rows"])
+    # decode-time recall: recalling every cold slot decodes the full cache's tokens; each selector is timed
+    assert [r["length"] for r in out["recall"]] == [256, 512]
+    for r in out["recall"]:
+        assert r["recall_all_equals_full"] is True
+        assert set(r["cells"]) == {"full", "hot", "hot+exact0.1", "hot+sparq0.1", "hot+pages0.1"}
+        assert r["cells"]["hot+pages0.1"]["summary_bytes"] > 0 and r["cells"]["hot"]["tpot_ms"] > 0
 
 
 @needs_triton

@@ -9,6 +9,9 @@ On CUDA (default ``--model qwen2.5-coder-0.5b-instruct --dtype bf16 --lengths 16
 * ``compression_share``: compression time (selection and gather; the window scores are part of the prefill)
   as a share of the prefill;
 * ``peak_memory_bytes``: the device's peak allocated memory over the run;
+* ``recall``: decode-time recall from the tier at each length (hot 20% or the budget if larger, recall 10% of
+  the context): median ms per step of the full cache, the hot cache alone and hot + recall with each selector;
+  whether recalling every cold slot gives the full cache's greedy tokens; summary bytes; peak memory;
 * ``batched_decode``: S = 1, 2, 4, 8 sessions at the first length and the budget decoded together in decode slots
   (:mod:`snapkv_sessions.batch`): ms per step, tokens/s and the speedup over one session, and whether the first
   batched step's greedy tokens equal each session stepped alone.
@@ -136,6 +139,58 @@ def measure(runner, length: int, budget: float, window: int, steps: int) -> dict
     }
 
 
+def recall(runner, length: int, budget: float, window: int, steps: int, ratio: float = 0.1) -> dict:
+    """Decode-time recall from the tier (:mod:`snapkv_sessions.recall`) at ``length``: median ms per step of the
+    full cache, the hot cache alone and hot + recall (each selector), from copies of one tiered prefill; whether
+    recalling every cold slot gives the full cache's greedy tokens; the selectors' summary bytes; peak memory."""
+    import torch
+
+    from ..config import CompressionConfig, RecallConfig
+    from ..recall import SELECTORS
+
+    device = runner.device
+    gen = torch.Generator().manual_seed(length + 1)
+    ids = torch.randint(0, runner.model.config.vocab_size, (length,), generator=gen).tolist()
+    base = runner.new_state(tiered=True)
+    logits, probe = runner.prefill(base, ids, window=window)
+    cfg = CompressionConfig.make(budget_ratio=budget, window=window)
+
+    def decoded(state, rc, n: int) -> tuple[list[int], float, dict]:
+        state.cache.recall_config = rc
+        state.cache.prefill_done(state)
+        state.cache.reserve(n + 1)
+        toks, times, tok = [], [], int(logits.argmax())
+        for _ in range(n):
+            _sync(device)
+            t0 = time.perf_counter()
+            tok = int(runner.step(state, tok).argmax())
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            toks.append(tok)
+        return toks, statistics.median(times), state.cache.decode_done(state) or {}
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    full_tokens, full_ms, _ = decoded(base.clone(), None, steps)
+    cells = {"full": {"tpot_ms": round(full_ms, 3)}}
+    variants = [("hot", None), ("recall_all", RecallConfig.make(ratio=1.0))]
+    variants += [(f"hot+{name}{ratio}", RecallConfig.make(ratio=ratio, selector=name)) for name in SELECTORS]
+    same_as_full = None
+    for name, rc in variants:
+        state = base.clone()
+        runner.compress(state, cfg, probe)
+        toks, ms, figures = decoded(state, rc, steps)
+        if name == "recall_all":
+            same_as_full = toks == full_tokens
+            continue
+        cells[name] = {"tpot_ms": round(ms, 3), "tpot_vs_full": round(ms / full_ms, 3),
+                       "hot_bytes": state.kv_bytes(), "summary_bytes": figures.get("summary_bytes", 0),
+                       "read_bytes_per_step": figures.get("read_bytes_per_step")}
+    return {"length": length, "budget_ratio": budget, "recall_ratio": ratio, "recall_all_equals_full": same_as_full,
+            "cells": cells, "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else None}
+
+
 def batched(runner, length: int, budget: float, window: int, steps: int, sizes=(1, 2, 4, 8)) -> dict:
     """Batched decode (:class:`~snapkv_sessions.batch.SlotPool`): median ms per step with S sessions of ``length``
     tokens compressed to ``budget`` decoding together, tokens/s, the speedup over S=1, and whether the first
@@ -216,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_triton_scorer": fused, "fused_triton_gather": fused_gather(device) is not None, "runs": runs,
         "selection_identical": all(r["selection_identical"] for r in runs),
         "batched_decode": batched(runner, lengths[0], args.budget, args.window, min(args.decode_steps, 16)),
+        "recall": [recall(runner, n, max(args.budget, 0.2), args.window, min(args.decode_steps, 16)) for n in lengths],
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if on_cuda else None,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
@@ -224,4 +280,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main()["selection_identical"] else 1)
+    out = main()
+    sys.exit(0 if out["selection_identical"] and all(r["recall_all_equals_full"] for r in out["recall"]) else 1)
