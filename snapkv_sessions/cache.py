@@ -114,6 +114,9 @@ class HotOnly:
         recalls from a tier (:class:`snapkv_sessions.recall.Recall`); None here: decode reads the hot slots."""
         return None
 
+    def observe_recall(self, observer) -> None:
+        """Have ``observer(layer, positions)`` see what each decode step of this turn recalls (nothing here)."""
+
     def decode_done(self, state: KVState) -> dict | None:
         """The turn's decode is done: what it recalled, for the turn's report (None without recall)."""
         return None

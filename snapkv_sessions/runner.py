@@ -169,6 +169,9 @@ class ModelRunner:
         # Called after each layer's selection with a Selection (the audit's --find reads the scores through it);
         # None in normal use, which then never computes anything for it.
         self.observer: Callable[[Selection], None] | None = None
+        # Called at each decode step's recall from the tier with (layer, recalled true positions (B, Hkv, K), -1
+        # where a head attends to fewer): the audit's --find; None in normal use.
+        self.recall_observer: Callable[[int, torch.Tensor], None] | None = None
         check_supported(model)
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", prefill_chunk, "must be >= 1")
@@ -367,6 +370,8 @@ class ModelRunner:
             result.protect_applied = protect is not None
             result.kept = state.held()  # decode rebinds positions[l], so these stay as compressed (-1: padding)
         state.cache.prefill_done(state)
+        if self.recall_observer is not None:
+            state.cache.observe_recall(self.recall_observer)
         return TurnRun(self, state, logits, gen, forced, result)
 
     def turn(

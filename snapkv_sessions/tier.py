@@ -366,6 +366,10 @@ class TieredCache(CompactCache):
         """The running turn's recall (from its prefill to the end of its decode), for an observer to watch."""
         return self._recall
 
+    def observe_recall(self, observer) -> None:
+        if self._recall is not None:
+            self._recall.observer = observer
+
     def recall(self, state, fed: int = 0) -> Recall | None:
         """This decode step's recall from the tier (None: no recall configured, or nothing is cold)."""
         rec = self._recall

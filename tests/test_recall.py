@@ -168,3 +168,25 @@ def test_a_stored_session_with_recall_equals_the_full_cache_and_verifies(smollm2
                and "recall" in r.compression["tier"]]
     assert figures and all(f["steps"] > 0 and f["recalled_per_step"] > 0 for f in figures)
     assert verify(store, replies["recall_id"], smollm2).ok
+    # the audit: --find names the evicted tokens decode recalled (here every cold slot, so every evicted one)
+    from snapkv_sessions.audit import find
+
+    found = find(store, replies["recall_id"], "colours", model=smollm2)
+    checked = 0
+    for occ in found["occurrences"]:
+        for t in occ["turns"]:
+            evicting = sum(bool(h["evicted"]) for lay in t["layers"] for h in lay["heads"])
+            if evicting and "decode_recalled" in t:
+                assert t["decode_recalled"]["pairs_recalling_every_evicted"] == evicting
+                checked += 1
+    assert checked
+    from click.testing import CliRunner
+
+    from snapkv_sessions.cli import main
+
+    db = ["--db", f"sqlite:///{tmp_path / 's.db'}"]
+    table = CliRunner().invoke(main, ["replay", replies["recall_id"], *db])
+    assert table.exit_code == 0 and "decode recall" in table.output, table.output
+    last = recs[-1].turn
+    detail = CliRunner().invoke(main, ["replay", replies["recall_id"], "--turn", str(last), *db])
+    assert detail.exit_code == 0 and "decode recalled from the tier per step" in detail.output, detail.output

@@ -31,19 +31,31 @@ def find(store: SessionStore, session_id: str, text: str, turn: int | None = Non
     runner, _ = runner_for(model if model is not None else store.get_session(session_id).model_id)
     captured: dict[int, list] = {}
     selections: list = []  # the turn being replayed: its selections, filed under it when its TurnStat comes
+    recalls: dict[int, list] = {}  # turn -> per layer, per KV head, true positions decode recalled from the tier
+    stepping: dict[int, list[set[int]]] = {}  # the turn being replayed: layer -> per head, recalled so far
 
     class FileByTurn:
         def record(self, stat: stats.Stat) -> None:
             if isinstance(stat, stats.TurnStat) and stat.session_id == session_id:
                 captured[stat.turn] = list(selections)
                 selections.clear()
+                if stepping:
+                    recalls[stat.turn] = {layer: heads for layer, heads in stepping.items()}
+                stepping.clear()
+
+    def recalled(layer: int, positions: torch.Tensor) -> None:  # (B, Hkv, K), -1: a head attending to fewer
+        heads = stepping.setdefault(layer, [set() for _ in range(positions.shape[1])])
+        for h, row in enumerate(positions[0].tolist()):
+            heads[h].update(p for p in row if p >= 0)
 
     runner.observer = lambda sel: selections.append(_detach(sel))
+    runner.recall_observer = recalled
     try:
         with stats.sinks(FileByTurn()), torch.inference_mode():
             session = Session.rebuild(session_id, runner, store)
     finally:
         runner.observer = None
+        runner.recall_observer = None
     captured = {t: sels for t, sels in captured.items() if sels}  # turns whose cache fitted chose nothing
     transcript = session.transcript
     spans = [(m.start(), m.end()) for m in re.finditer(re.escape(text), transcript.text)]
@@ -52,10 +64,30 @@ def find(store: SessionStore, session_id: str, text: str, turn: int | None = Non
         positions = sorted({int(p) for p in transcript.char_pos[start:end] if p >= 0})
         ids = session.state.token_ids
         pieces = [runner.tokenizer.decode([ids[p]]) if p < len(ids) else "" for p in positions]
-        occurrences.append({"chars": [start, end], "positions": positions, "tokens": pieces,
-                            "turns": [_held(t, sels, positions) for t, sels in sorted(captured.items())
-                                      if (turn is None or t == turn) and positions and positions[-1] < _context(sels)]})
+        turns = [_held(t, sels, positions) for t, sels in sorted(captured.items())
+                 if (turn is None or t == turn) and positions and positions[-1] < _context(sels)]
+        for t in turns:  # which of the evicted tokens decode recalled from the tier, layer by layer and head by head
+            if t["turn"] in recalls:
+                t["decode_recalled"] = _decode_recalled(t, recalls[t["turn"]])
+        occurrences.append({"chars": [start, end], "positions": positions, "tokens": pieces, "turns": turns})
     return {"session_id": session_id, "text": text, "occurrences": occurrences}
+
+
+def _decode_recalled(held: dict, per_layer: dict[int, list[set[int]]]) -> dict:
+    """Of the occurrence's tokens this turn's compression evicted, those a decode step recalled: per position, the
+    layer/head pairs that recalled it, and the pairs that recalled every evicted token."""
+    by_position: dict[int, int] = {}
+    whole = 0
+    for lay in held["layers"]:
+        heads = per_layer.get(lay["layer"], [])
+        for h, head in enumerate(lay["heads"]):
+            evicted = [e["position"] for e in head["evicted"]]
+            got = heads[h] if h < len(heads) else set()
+            for p in evicted:
+                if p in got:
+                    by_position[p] = by_position.get(p, 0) + 1
+            whole += bool(evicted) and all(p in got for p in evicted)
+    return {"pairs_recalling_every_evicted": whole, "pairs_by_position": dict(sorted(by_position.items()))}
 
 
 def _detach(sel: Selection) -> Selection:

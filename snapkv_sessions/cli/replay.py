@@ -80,11 +80,13 @@ def _find_text(found: dict) -> str:
                 for head in lay["heads"]:
                     for e in head["evicted"]:
                         lost.setdefault(e["position"], []).append(e["margin"])
+            back = (t.get("decode_recalled") or {}).get("pairs_by_position", {})
             for pos, margins in sorted(lost.items()):
                 known = [m for m in margins if m is not None]
                 median = f", median margin {statistics.median(known):.3g}" if known else ""
+                again = f"; decode recalled it in {back[pos]}" if pos in back else ""
                 lines.append(f"      position {pos} ({occ['tokens'][occ['positions'].index(pos)]!r}): evicted in "
-                             f"{len(margins)} pairs{median}")
+                             f"{len(margins)} pairs{median}{again}")
     return "\n".join(lines)
 
 
@@ -103,6 +105,11 @@ def _detail_text(detail: dict) -> str:
         size = m["end"] - m["start"]
         lines.append(f"    msg {m['seq']:>3} {m['role']:<11} positions [{m['start']}, {m['end']}): kept "
                      f"{min(held)}..{max(held)} of {size}")
+    recall = (detail.get("recall") or {})
+    if recall:
+        lines.append(f"  decode recalled from the tier per step: {recall['recalled_per_step']:g} slots (max "
+                     f"{recall['recalled_max_step']}), {recall['distinct_recalled']} distinct, "
+                     f"{recall['selector']} selector; --find TEXT names the tokens")
     recalled = [len(h["recalled"]) for layer in detail["layers"] for h in layer if "recalled" in h]
     if recalled:
         lines.append(f"  recalled from the cold tier to hot: {min(recalled)}..{max(recalled)} positions per layer "
