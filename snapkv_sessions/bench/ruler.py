@@ -77,7 +77,8 @@ def load_rows(path: str | None) -> list[dict]:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["model"], r["task"], r["length"], r["item"], r["setting"], r["variant"])
+    """A row's identity: a rerun with another model, dtype or window computes its own rows."""
+    return (r["model"], r["dtype"], r["window"], r["task"], r["length"], r["item"], r["setting"], r["variant"])
 
 
 class Results:
@@ -121,12 +122,13 @@ def run(runner, model: str, tasks: list[str], lengths: list[int], n: int, budget
             items = generate(task, tok, length, n)
             for item in items:
                 for setting in sub_settings(settings):
-                    base = {"model": model, "task": task, "length": length, "item": item.index, "setting": setting}
+                    base = {"model": model, "dtype": dtype, "window": window, "task": task, "length": length,
+                            "item": item.index, "setting": setting}
                     missing = [v for v in wanted if row_key({**base, "variant": v}) not in store.keys]
                     reused += len(wanted) - len(missing)
                     if not missing:
                         continue
-                    cell = {"base": base, "item": item, "mnt": mnt, "window": window, "dtype": dtype, "store": store}
+                    cell = {"base": base, "item": item, "mnt": mnt, "window": window, "store": store}
                     if setting.startswith("multi-turn"):
                         _multi_turn(runner, cell, missing)
                     else:
@@ -136,7 +138,8 @@ def run(runner, model: str, tasks: list[str], lengths: list[int], n: int, budget
     return {"benchmark": "ruler", "model": model, "dtype": dtype, "tasks": tasks, "lengths": lengths,
             "budgets": budgets, "settings": sub_settings(settings), "methods": methods, "items_per_cell": n,
             "window": window, "results": results, "computed": store.computed, "reused": reused,
-            "cells": summarise(store.rows, model, tasks, lengths, budgets, sub_settings(settings), methods),
+            "cells": summarise([r for r in store.rows if (r["dtype"], r["window"]) == (dtype, window)], model, tasks,
+                               lengths, budgets, sub_settings(settings), methods),
             "minutes": round((time.perf_counter() - t0) / 60, 1)}
 
 
@@ -152,7 +155,7 @@ def _row(cell: dict, name: str, reply: list[int], text: str, refs: list[str], sc
     full = store.keys.get(row_key({**base, "variant": "full"}))
     method, _, budget = name.partition("@")
     return {**base, "variant": name, "method": method, "budget": float(budget) if budget else None,
-            "window": cell["window"], "dtype": cell["dtype"], "metric": metric(base["task"]), "score": sc,
+            "metric": metric(base["task"]), "score": sc,
             "reply": text, "tokens": reply, "references": refs,
             "same_as_full": name == "full" or (full is not None and full["tokens"] == reply),
             "prompt_tokens": prompt, "ruler_length": item.ruler_length, **extra}
