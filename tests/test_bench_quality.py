@@ -98,3 +98,8 @@ def test_b_star_and_its_interval():
     cell = knee_cell(by, list(range(5)), "snapkv", budgets, resamples=50)
     assert cell["b_star"] == 0.5 and cell["b_star_90ci"] == [0.5, 0.5]
     assert cell["agreement_with_full"] == {"0.1": 0.0, "0.5": 1.0, "0.9": 1.0}
+
+
+def test_quality_methods_option_is_checked():
+    res = CliRunner().invoke(main, ["bench", "quality", "--methods", "snapkv,nope"])
+    assert res.exit_code == 2 and "nope" in res.output and "adakv" in res.output and "Traceback" not in res.output

@@ -136,9 +136,12 @@ def run_item(runner, item: dict, policy: Policy, max_new_tokens: int) -> dict:
 
 
 
-def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, records: int = 40, log=print) -> dict:
+def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, records: int = 40, log=print,
+                methods: tuple[str, ...] = METHODS) -> dict:
+    """Every item under each of ``methods`` (the full cache always among them: agreement is measured against it,
+    and against re-prefill every turn when ``"every"`` runs)."""
     t0 = time.perf_counter()
-    rows = {m: [] for m in METHODS}
+    rows = {m: [] for m in ("full", *(m for m in methods if m != "full"))}
     for i, item in enumerate(items(n, records)):
         for method in rows:
             rows[method].append(run_item(runner, item, method_policy(method, ratio, window), max_new_tokens))
@@ -154,7 +157,7 @@ def run_quality(runner, n: int, ratio: float, window: int, max_new_tokens: int, 
                            "copy_score_mean": round(sum(copies) / len(copies), 3) if copies else None,
                            "degenerate_rate": round(sum(r["degenerate"] for r in rs) / len(rs), 3),
                            "reprefills": sum(r["reprefills"] for r in rs),
-                           "agreement_with_every_turn": agreement(rs, rows["every"]),
+                           "agreement_with_every_turn": agreement(rs, rows["every"]) if "every" in rows else None,
                            "agreement_with_full": agreement(rs, rows["full"]), **_density(rs)}
     return {"benchmark": "quality", "budget_ratio": ratio, "window": window, "items": len(rows["full"]),
             "summary": summary, "minutes": round((time.perf_counter() - t0) / 60, 1), "rows": rows}
@@ -206,7 +209,7 @@ def quality_table(result: dict) -> str:
         lines.append(f"{key:<22}" + "".join(f"{result['summary'][m]['by_task_split'][key]:>11.2f}" for m in methods))
     lines.append(f"{'all':<22}" + "".join(f"{result['summary'][m]['accuracy']:>11.2f}" for m in methods))
     lines.append(f"{'= every turn':<22}" + "".join(
-        f"{result['summary'][m].get('agreement_with_every_turn', 0):>11.2f}" for m in methods))
+        f"{result['summary'][m].get('agreement_with_every_turn') or 0:>11.2f}" for m in methods))
     lines.append(f"{'re-prefills':<22}" + "".join(f"{result['summary'][m].get('reprefills', 0):>11}" for m in methods))
     for key, label in (("agreement_with_full", "= full cache"), ("kv_mib_per_session", "KV MiB/session"),
                        ("sessions_per_gib", "sessions/GiB KV")):

@@ -110,19 +110,30 @@ def bench_detector(scenarios, threshold, calibration, out, as_json) -> None:
 @click.option("--window", default=32, show_default=True, help="Observation window.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap.")
 @click.option("--records", default=20, show_default=True, help="Directory records per document.")
+@click.option("--methods", default=None, help="Comma-separated subset of the methods (the full cache always runs).")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16"]), show_default=True)
 @click.option("--plot", "plot_path", default=None, help="Write a PNG bar chart here.")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_quality(model, n_items, ratio, window, max_new_tokens, records, plot_path, out, as_json) -> None:
+def bench_quality(model, n_items, ratio, window, max_new_tokens, records, methods, dtype, plot_path, out,
+                  as_json) -> None:
     """Accuracy per task and role split: full cache, session, StreamingLLM, SnapKV without pins or recovery."""
     need_matplotlib(plot_path)
     from ..bench import quality
 
     quiet_loaders()
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = quality.run_quality(quality.load_runner(model), n_items, ratio, window, max_new_tokens, records, log=log)
-    result["model"] = model
+    chosen = quality.METHODS
+    if methods is not None:
+        chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+        unknown = [m for m in chosen if m not in quality.METHODS]
+        if unknown or not chosen:
+            raise click.BadParameter(f"{methods[:80]!r}: choose from {', '.join(quality.METHODS)}",
+                                     param_hint="--methods")
+    result = quality.run_quality(quality.load_runner(model, dtype), n_items, ratio, window, max_new_tokens, records,
+                                 log=log, methods=chosen)
+    result["model"], result["dtype"] = model, dtype
     if plot_path:
         quality.quality_plot(result, plot_path)
     _emit(result, out, as_json, quality.quality_table)
