@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 class SessionMessages:
     """A session's messages in the store. The session supplies its id, store, policy, runner, transcript and
-    admission, and ``_sync`` (a turn another worker left pending is resolved before anything is appended)."""
+    admission, and ``_sync`` (:class:`~snapkv_sessions.sync.SessionSync`'s: a turn another worker left pending
+    is resolved before anything is appended)."""
 
     id: str
     store: SessionStore

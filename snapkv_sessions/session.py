@@ -5,11 +5,12 @@ after it. A turn is a :class:`~snapkv_sessions.transcript.TurnPlan` made by the 
 :meth:`ModelRunner.run`; the plan is stored with the turn, so the cache can always be rebuilt by running the
 recorded plans again (the same prefills, compressions and reply tokens): that is how a session reopens in a
 new process and how a worker catches up with turns another worker ran.
+Running a plan on the cache and catching up with the store are :class:`~snapkv_sessions.sync.SessionSync`'s;
+this module makes and opens sessions and runs their live turns (plan, run, commit).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,18 +19,16 @@ from typing import TypedDict, Unpack
 from . import forks
 from .admission import Admission, AdmissionError
 from .chat import Message
-from .drift import Assessment, DriftMonitor, decide_turn
+from .drift import Assessment, decide_turn
 from .errors import ConfigError
 from .forks import Snapshot
 from .generation import GenerationConfig, TextStream
-from .messages import SessionMessages
 from .models import runner_for
 from .policy import Policy
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
-from .store.records import TurnRecord
-from .tierpool import POOL
-from .transcript import Transcript, TurnContext, TurnPlan
+from .sync import SessionSync
+from .transcript import Transcript, TurnPlan
 from .turn import Reply, TurnOutcome, close_failed, emit_turn
 
 
@@ -52,7 +51,7 @@ class SessionOptions(TypedDict, total=False):
     session_id: str | None
 
 
-class Session(SessionMessages):
+class Session(SessionSync):
     """A multi-turn conversation whose KV cache is compressed with SnapKV after every turn.
 
     Build one with :meth:`create` or :meth:`open`, never directly.
@@ -74,16 +73,7 @@ class Session(SessionMessages):
         self.counter = self.admission.counter
         self.drift = self.new_drift_monitor()
         self.recovered: Reply | None = None
-        self._lease = contextlib.ExitStack()  # the memory's hold for the turn in hand (HotOnly.lease)
-        if policy.tiered:
-            POOL.configure(policy.memory.max_bytes, policy.memory.spill_dir)
-        self.state = None
-        self._reset()
-
-    def new_drift_monitor(self) -> DriftMonitor:
-        drift = self.policy.drift
-        return DriftMonitor(drift.embedder, self.runner.model, self.tokenizer, subjects=drift.new_subject,
-                            follow_ups=bool(drift.follow_ups))
+        self._start_cache()
 
     @classmethod
     def create(cls, model, policy: str | dict | Policy | None = None, store: SessionStore | str | None = None,
@@ -181,21 +171,6 @@ class Session(SessionMessages):
         with self.store.lock(self.id):
             self._sync()
 
-    def _reset(self) -> None:
-        """Forget everything model-side; the next use replays the store from the start."""
-        self._restart_cache()
-        self.drift.reset()
-        self.turns_applied = 0
-
-    def _restart_cache(self) -> None:
-        if self.state is not None:
-            self.state.cache.release()
-        memory = self.policy.memory
-        self.state = self.runner.new_state(tiered=self.policy.tiered,
-                                           refeed_reply=self.policy.tiered and memory.refeed_reply,
-                                           recall=memory.recall if self.policy.tiered else None)
-        self.transcript.reset()
-
     @property
     def cache_text(self) -> str:
         """The rendered conversation the cache holds, its pending token included."""
@@ -233,31 +208,6 @@ class Session(SessionMessages):
             raise
         finally:
             self._tier_done()
-
-    def _tier_done(self) -> None:
-        """The turn's hold on the memory ends (a tier may be evicted again; :meth:`HotOnly.lease`)."""
-        self._lease.close()
-
-    def _context(self, user_seq: int, reprefill: bool) -> TurnContext:
-        return TurnContext(user_seq=user_seq, pending=len(self.state.pending), reprefill=reprefill,
-                           refed=0 if reprefill else self.state.cache.refeedable(self.state),
-                           window=self.policy.compression.window, min_prompt_tokens=self.policy.min_prompt_tokens)
-
-    def _execute(self, plan: TurnPlan, msgs: list[Message], user_seq: int, gen: GenerationConfig | None = None,
-                 forced: list[int] | None = None) -> TurnRun:
-        """Run one turn's plan on the cache: the one path of live turns, replays and re-prefills."""
-        if plan.reprefill:  # the store is the source of truth: the whole prompt is rebuilt from it
-            self._restart_cache()
-            self.drift.reset()
-        if self.state.cache.lost:  # only a live turn decides; a replay follows the record
-            raise StoreError(f"session_id={self.id!r}: the cold tier was lost ({self.state.cache.lost}) during "
-                             "a replay; open the session again")
-        self._lease.enter_context(self.state.cache.lease())  # held until the turn ends (_tier_done)
-        plan = self.transcript.attach(plan, msgs, self._context(user_seq, plan.reprefill))
-        run = self.runner.run(self.state, plan, self.policy.compression, gen, forced)
-        self.transcript.advance(plan)
-        self.drift.observe(next(m.content for m in msgs if m.seq == user_seq), self.transcript.text)
-        return run
 
     def _live(self, turn: int, user_seq: int, gen: GenerationConfig) -> Iterator[str]:
         t_start = time.perf_counter()
@@ -318,45 +268,6 @@ class Session(SessionMessages):
             return Assessment(None, None, [])
         kept = [p[0].cpu().numpy() for p in self.state.held()]  # -1: padding, never evidence
         return self.drift.assess(query, self.transcript.text, self.transcript.char_pos, kept)
-
-    # ------------------------------------------------------------------ replay / sync
-
-    def _sync(self) -> None:
-        """Bring the cache up to the store: replay done turns not applied here; resolve a pending one."""
-        rows = self.store.turns(self.id)  # one read: the done turns to replay and a pending one
-        done = [r for r in rows if r.status == "done"]
-        if self.state.cache.lost and any(r.turn > self.turns_applied for r in done):
-            self._reset()  # turns to catch up on, and no tier to run them on: rebuild both from the start
-        try:
-            for rec in done:
-                if rec.turn > self.turns_applied:
-                    self._replay(rec)
-        except BaseException:  # a half-replayed turn: rebuild from the start next time
-            self._reset()
-            raise
-        pending = next((r for r in reversed(rows) if r.status == "pending"), None)
-        if pending is None:
-            return
-        if self.on_pending == "report":
-            self.store.abandon_turn(self.id, pending.turn, reason="worker died before the reply; reported on open")
-            return
-        self.store.add_event(self.id, "recovered", {"answered_pending_turn": pending.turn}, turn=pending.turn)
-        for _ in self._run(pending.turn, pending.user_seq, GenerationConfig.from_record(pending.generation)):
-            pass
-        self.recovered = self.last_reply
-
-    def _replay(self, rec: TurnRecord) -> None:
-        """Run one recorded turn's plan again, its reply tokens forced: the cache ends as the live turn left it."""
-        plan = TurnPlan.from_record(rec.segments, rec.prefill_tokens)
-        reply = rec.decode_tokens + rec.pending_tokens
-        try:
-            result = self._execute(plan, self.messages(up_to_seq=rec.user_seq), rec.user_seq, forced=reply).finish()
-        finally:
-            self._tier_done()
-        emit_turn(self.id, rec.turn, self.model_id, rec.drift_decision or "kept",
-                  "as recorded" if plan.reprefill else None, plan, result, self.state, replay=True)
-        self.transcript.extend_reply(rec.user_seq + 1, reply)
-        self.turns_applied = rec.turn
 
 
 __all__ = ["AdmissionError", "Reply", "Session"]
