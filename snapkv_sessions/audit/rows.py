@@ -63,9 +63,10 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
     messages = [{"seq": seq, "role": roles.get(seq, "assistant"), "start": a, "end": b} for seq, a, b in owners]
     out = {"turn": turn, "status": rec["status"], "drift_score": rec["drift_score"],
            "drift_decision": rec["drift_decision"], "messages": messages, "layers": [],
-           "events": [e.to_dict() for e in store.events(session_id) if e.turn == turn],
-           # decode-time recall from the tier: the turn's figures (None when decode read the hot slots alone)
-           "recall": ((rec["compression"] or {}).get("tier") or {}).get("recall")}
+           "events": [e.to_dict() for e in store.events(session_id) if e.turn == turn]}
+    recall = ((rec["compression"] or {}).get("tier") or {}).get("recall")
+    if recall is not None:  # decode-time recall from the tier: the turn's figures (absent when decode read hot alone)
+        out["recall"] = recall
     if rec["kept_positions"] is None:
         return out
     before = _previous_kept(store, session_id, rec)
