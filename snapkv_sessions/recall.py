@@ -58,7 +58,8 @@ class Selector(Protocol):
         ...
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
-        """Bytes of the selector's summary of one layer's cold keys (what would stay on a device)."""
+        """Bytes of one layer's cold tier the selector needs where it scores (on a device, what would stay there):
+        its summary, or the cold keys themselves for a selector that scores them."""
         ...
 
     def read_bytes(self, keys: torch.Tensor, k: int) -> int:
@@ -83,7 +84,7 @@ class Exact:
         return _top(scores, real, k)
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
-        return 0
+        return keys.numel() * keys.element_size()  # it scores every cold key
 
     def read_bytes(self, keys: torch.Tensor, k: int) -> int:
         return keys.numel() * keys.element_size()
@@ -104,7 +105,7 @@ class SparQ:
         return _top(scores, real, k)
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
-        return 0
+        return keys.numel() * keys.element_size()  # the channels change every step: every cold key is needed
 
     def read_bytes(self, keys: torch.Tensor, k: int) -> int:
         return keys.numel() * keys.element_size() * min(self.channels, keys.shape[-1]) // keys.shape[-1]

@@ -190,3 +190,18 @@ def test_a_stored_session_with_recall_equals_the_full_cache_and_verifies(smollm2
     last = recs[-1].turn
     detail = CliRunner().invoke(main, ["replay", replies["recall_id"], "--turn", str(last), *db])
     assert detail.exit_code == 0 and "decode recalled from the tier per step" in detail.output, detail.output
+
+
+def test_page_bounds_bound_every_key_of_their_page():
+    """Quest's bound sum_d max(q_d min_d, q_d max_d) is at least every q.k of the page (padding left out)."""
+    from snapkv_sessions.recall import Pages
+
+    torch.manual_seed(0)
+    query, keys = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 95, 16)  # (B, Hkv, G, D), (B, Hkv, C, D)
+    real = torch.rand(1, 2, 95) > 0.2
+    low, high = Pages(page=10).bounds(keys, real)  # (B, Hkv, 10, D)
+    bound = torch.maximum(query[:, :, :, None] * low[:, :, None], query[:, :, :, None] * high[:, :, None]).sum(-1)
+    scores = torch.einsum("bhgd,bhcd->bhgc", query, keys).masked_fill(~real[:, :, None], float("-inf"))
+    padded = torch.cat([scores, scores.new_full((1, 2, 3, 5), float("-inf"))], dim=-1)  # (B, Hkv, G, 100)
+    best = padded.view(1, 2, 3, 10, 10).amax(-1)  # (B, Hkv, G, pages)
+    assert bool((bound >= best - 1e-5).all())
