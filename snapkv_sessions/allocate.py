@@ -90,8 +90,10 @@ class AdaKV:
         bsz, heads, hist = scores.shape
         safe = min(hist, max(1, math.floor(keep * self.floor)))
         boosted = scores.clone()  # (B, Hkv, P)
-        # each head's own best `safe` slots outrank every shared one (pins are +inf already and stay first)
-        boosted.scatter_(-1, scores.topk(safe, dim=-1).indices, float("inf"))
+        # each head's own best `safe` slots outrank every shared one (pins are +inf already and stay first);
+        # a slot the head may not keep (-inf: padding of an earlier uneven split) is never boosted
+        floor = scores.topk(safe, dim=-1)  # (B, Hkv, safe)
+        boosted.scatter_(-1, floor.indices, floor.values.masked_fill(floor.values > float("-inf"), float("inf")))
         total = min(heads * keep, heads * hist)
         picked = boosted.reshape(bsz, heads * hist).topk(total, dim=-1).indices  # (B, Hkv * keep)
         chosen = torch.zeros(bsz, heads * hist, dtype=torch.long, device=scores.device)  # (B, Hkv * P)

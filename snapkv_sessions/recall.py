@@ -238,8 +238,7 @@ class Recall:
         self._step_total = 0
 
     def begin_step(self, context: int, hot_bytes: int) -> None:
-        if self._step_total or self.stats.steps:
-            self.stats.max_step = max(self.stats.max_step, self._step_total)
+        self.end()  # the previous step's total counts toward the most recalled in one step
         self._step_total = 0
         self.context, self.hot_bytes = context, hot_bytes
         self.stats.steps += 1

@@ -224,3 +224,10 @@ def test_adakv_counts_keep_the_total_and_the_floor():
     assert int(counts.min()) >= math.floor(8 * 0.25)
     assert counts[:, 0].tolist() == [8 + 3 * 6] * 2  # every other head at its floor of 2
     assert build_allocator("adakv", {"floor": 1.0}).counts(scores, 8).tolist() == [[8] * 4] * 2
+
+
+def test_adakv_never_counts_a_slot_a_head_may_not_keep():
+    scores = torch.rand(1, 2, 10)
+    scores[0, 1, 3:] = float("-inf")  # head 1 holds 3 real slots (the rest: padding of an earlier uneven split)
+    counts = build_allocator("adakv", {"floor": 1.0}).counts(scores, 4)  # a floor of 4 per head
+    assert int(counts[0, 1]) <= 3 and int(counts.sum()) == 8  # head 0 takes what head 1 cannot hold
