@@ -183,7 +183,7 @@ register_selector("pages", lambda cfg: Pages(cfg.page))
 assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
 
 __all__ = ["SELECTORS", "BatchRecall", "Exact", "Pages", "Recall", "RecallConfig", "RecallStats", "SparQ",
-           "register_selector", "summary_bytes"]
+           "register_selector"]
 
 
 @dataclass
@@ -194,8 +194,7 @@ class RecallStats:
     max_step: the most recalled in one step (all layers and heads); repeats: recalled slots that the same layer
     and head also recalled the step before (what a device cache of the last step's recalls would have hit);
     read_*: bytes read per step, summed over steps: the hot cache, the selector's reads of the tier (its
-    summary, or the cold keys it scores), and the recalled keys and values; summary_bytes: the selectors'
-    summaries of the current cold tier (what would stay on a device).
+    summary, or the cold keys it scores), and the recalled keys and values.
     """
 
     steps: int = 0
@@ -205,7 +204,6 @@ class RecallStats:
     read_hot: int = 0
     read_select: int = 0
     read_recalled: int = 0
-    summary_bytes: int = 0
     distinct: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled this turn
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled last step
 
@@ -216,8 +214,7 @@ class RecallStats:
                 "recalled_max_step": self.max_step, "distinct_recalled": distinct,
                 "repeat_rate": round(self.repeats / self.recalled, 4) if self.recalled else None,
                 "read_bytes_per_step": {"hot": self.read_hot // steps, "select": self.read_select // steps,
-                                        "recalled": self.read_recalled // steps},
-                "summary_bytes": self.summary_bytes}
+                                        "recalled": self.read_recalled // steps}}
 
 
 class Recall:
@@ -233,19 +230,25 @@ class Recall:
         self.cfg, self.cold, self.stats = cfg, cold, stats
         self.selector = SELECTORS[cfg.selector](cfg)
         self.context = 0  # true positions at this step (set by the cache before each step)
-        self.hot_bytes = 0
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
 
     def begin_step(self, context: int, hot_bytes: int) -> None:
         self.end()  # the previous step's total counts toward the most recalled in one step
         self._step_total = 0
-        self.context, self.hot_bytes = context, hot_bytes
+        self.context = context
         self.stats.steps += 1
         self.stats.read_hot += hot_bytes
 
     def end(self) -> None:
         self.stats.max_step = max(self.stats.max_step, self._step_total)
+
+    def report(self) -> dict:
+        """The turn's figures for its record: the stats, the selector, and the bytes of the cold tier the selector
+        needs where it scores (its summary, or the cold keys: what would stay on a device)."""
+        self.end()
+        held = sum(self.selector.summary_bytes(part.keys) for part in self.cold.layers if part is not None)
+        return {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector}
 
     def extra(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The recalled keys and values of ``layer`` for this step, (B, Hkv, K, D) each, and (B, Hkv, 1, K) bool:
@@ -316,9 +319,3 @@ class BatchRecall:
                 k = g[0].shape[2]
                 keys[i, :, :k], values[i, :, :k], attend[i, :, :, :k] = g[0][0], g[1][0], g[2][0]
         return keys, values, attend
-
-
-def summary_bytes(cfg: RecallConfig, cold) -> int:
-    """The selector's summaries of every cold layer of ``cold`` (what would stay on a device)."""
-    selector = SELECTORS[cfg.selector](cfg)
-    return sum(selector.summary_bytes(part.keys) for part in cold.layers if part is not None)

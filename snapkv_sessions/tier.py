@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .cache import CompactCache, CompactLayer, History
-from .recall import Recall, RecallConfig, RecallStats, summary_bytes
+from .recall import Recall, RecallConfig, RecallStats
 
 
 @dataclass
@@ -382,9 +382,7 @@ class TieredCache(CompactCache):
         rec, self._recall = self._recall, None
         if rec is None or not rec.stats.steps:
             return None
-        rec.end()
-        return {**rec.stats.to_dict(), "summary_bytes": summary_bytes(rec.cfg, self.cold),
-                "selector": rec.cfg.selector}
+        return rec.report()
 
     def history(self, state) -> History:
         """The whole history, every true position 0..N-1 in order in every layer; one layer's union at a time."""
