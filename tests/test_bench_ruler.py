@@ -160,3 +160,27 @@ def test_cli_end_to_end(tok, tmp_path):
     assert again.exit_code == 0 and json.loads(again.output)["computed"] == 0
     bad = CliRunner().invoke(main, ["bench", "ruler", "--settings", "nope", "--json"])
     assert bad.exit_code != 0 and "--settings" in bad.output
+
+
+def test_a_shared_prefix_equals_one_prefill_of_the_whole_prompt():
+    """The two single-turn settings share their context's prefill: prefilling the rest onto a copy of the prefix
+    gives the same next-token logits and the same compressed cache as prefilling the whole prompt at once (fp32)."""
+    import torch
+
+    from snapkv_sessions.bench.variants import Prefix, compressed_variants
+    from snapkv_sessions.config import CompressionConfig
+    from snapkv_sessions.runner import ModelRunner
+
+    runner = ModelRunner(build_tiny("qwen2"), None)
+    ids = torch.randint(0, 96, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    configs = [None, CompressionConfig.make(budget_ratio=0.3, window=8)]
+    whole = list(compressed_variants(runner, ids, 8, configs))
+    prefix = Prefix.of(runner, ids[:70])
+    shared = list(compressed_variants(runner, ids[70:], 8, configs, prefix))
+    twice = list(compressed_variants(runner, ids[70:], 8, configs, prefix))  # the prefix is copied, never changed
+    for a, b, c in zip(whole, shared, twice, strict=True):
+        torch.testing.assert_close(a.logits, b.logits)
+        torch.testing.assert_close(b.logits, c.logits)
+        assert a.state.cache_lengths() == b.state.cache_lengths()
+        assert [p.tolist() for p in a.state.positions] == [p.tolist() for p in b.state.positions]
+    assert prefix.state.next_position == 70 and whole[1].state.cache_lengths()[0] < 90

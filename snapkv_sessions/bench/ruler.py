@@ -9,8 +9,9 @@
   turns, untiered (``multi-turn/untiered``: what turn 1 evicted is gone) and tiered (``multi-turn/tiered``:
   the host tier recalls it). A session has no assistant prefill, so these turns carry no answer prefix.
 
-In the first two settings an item is prefilled once per setting and every (method, budget) compresses a copy
-(:func:`~.variants.compressed_variants`); a session re-prefills per (method, budget). Every finished
+In the first two settings an item's context is prefilled once for both (:class:`~.variants.Prefix`), the rest
+once per setting, and every (method, budget) compresses a copy (:func:`~.variants.compressed_variants`); a
+session re-prefills per (method, budget). Every finished
 (item, setting, method, budget) appends one JSON line to the results file (the reply, RULER's score, timings);
 a rerun skips what the file holds, so a grid accumulates across runs. The knee per (task, length, setting,
 method) is :func:`.knee.knee_cell`'s: B*, the smallest budget within 2 points of the full cache, with a
@@ -27,7 +28,7 @@ from ..config import CompressionConfig
 from ..generation import GenerationConfig
 from .knee import knee_cell
 from .ruler_data import Item, encode, generate, metric, render, score, task_table
-from .variants import compressed_variants
+from .variants import Prefix, compressed_variants
 
 TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "qa_1")
 SETTINGS = ("query-aware", "query-agnostic", "multi-turn")
@@ -121,6 +122,7 @@ def run(runner, model: str, tasks: list[str], lengths: list[int], n: int, budget
         for length in lengths:
             items = generate(task, tok, length, n)
             for item in items:
+                singles = {}
                 for setting in sub_settings(settings):
                     base = {"model": model, "dtype": dtype, "window": window, "task": task, "length": length,
                             "item": item.index, "setting": setting}
@@ -132,7 +134,9 @@ def run(runner, model: str, tasks: list[str], lengths: list[int], n: int, budget
                     if setting.startswith("multi-turn"):
                         _multi_turn(runner, cell, missing)
                     else:
-                        _single(runner, cell, missing, setting == "query-agnostic")
+                        singles[setting] = (cell, missing)
+                if singles:
+                    _singles(runner, item, window, singles)
                 log(f"{task} @ {length} item {item.index}: {store.computed} rows computed "
                     f"({(time.perf_counter() - t0) / 60:.1f} min)")
     return {"benchmark": "ruler", "model": model, "dtype": dtype, "tasks": tasks, "lengths": lengths,
@@ -161,29 +165,38 @@ def _row(cell: dict, name: str, reply: list[int], text: str, refs: list[str], sc
             "prompt_tokens": prompt, "ruler_length": item.ruler_length, **extra}
 
 
-def _single(runner, cell: dict, names: list[str], agnostic: bool) -> None:
-    """query-aware or query-agnostic: one prefill, a compressed copy per (method, budget)."""
-    tok, item, window = runner.tokenizer, cell["item"], cell["window"]
+def _singles(runner, item: Item, window: int, cells: dict[str, tuple[dict, list[str]]]) -> None:
+    """query-aware and query-agnostic: the context up to its last ``window`` tokens prefilled once for both, then
+    per setting the rest prefilled onto a copy with the window observed, and a compressed copy per (method, budget).
+
+    The agnostic window is the end of the context; the aware one the end of the prompt (question and answer
+    prefix), so both settings observe ``window`` tokens of the same cache and differ only in when compression
+    happens."""
+    tok = runner.tokenizer
     ctx, question = prompt_ids(tok, item)
-    gen = GenerationConfig(max_new_tokens=cell["mnt"])
-    configs = [_config(n, window) for n in names]
-    for name, var in zip(names, compressed_variants(runner, ctx if agnostic else ctx + question, window, configs),
-                         strict=True):
-        logits, q_ms = var.logits, 0.0
-        if agnostic:  # the question arrives after compression
+    cut = max(len(ctx) - window, 0)
+    prefix = Prefix.of(runner, ctx[:cut])
+    for setting, (cell, names) in cells.items():
+        agnostic = setting == "query-agnostic"
+        gen = GenerationConfig(max_new_tokens=cell["mnt"])
+        configs = [_config(n, window) for n in names]
+        rest = ctx[cut:] if agnostic else ctx[cut:] + question
+        for name, var in zip(names, compressed_variants(runner, rest, window, configs, prefix), strict=True):
+            logits, q_ms = var.logits, 0.0
+            if agnostic:  # the question arrives after compression
+                t = time.perf_counter()
+                logits, _ = runner.prefill(var.state, question)
+                q_ms = (time.perf_counter() - t) * 1e3
             t = time.perf_counter()
-            logits, _ = runner.prefill(var.state, question)
-            q_ms = (time.perf_counter() - t) * 1e3
-        t = time.perf_counter()
-        out = list(runner.generate(var.state, logits, gen))
-        decode_ms = (time.perf_counter() - t) * 1e3
-        text = tok.decode(out, skip_special_tokens=True)
-        rep = var.report
-        cell["store"].add(_row(cell, name, out, text, item.outputs, score(item.task, text, item.outputs),
-                               len(ctx) + len(question), prefill_ms=round(var.prefill_ms, 1),
-                               question_prefill_ms=round(q_ms, 1), decode_ms=round(decode_ms, 1),
-                               compress_ms=round(rep.select_ms + rep.gather_ms, 1) if rep else 0.0,
-                               kept=round(sum(rep.tokens_after) / len(rep.tokens_after)) if rep else None))
+            out = list(runner.generate(var.state, logits, gen))
+            decode_ms = (time.perf_counter() - t) * 1e3
+            text = tok.decode(out, skip_special_tokens=True)
+            rep = var.report
+            cell["store"].add(_row(cell, name, out, text, item.outputs, score(item.task, text, item.outputs),
+                                   len(ctx) + len(question), prefill_ms=round(var.prefill_ms, 1),
+                                   question_prefill_ms=round(q_ms, 1), decode_ms=round(decode_ms, 1),
+                                   compress_ms=round(rep.select_ms + rep.gather_ms, 1) if rep else 0.0,
+                                   kept=round(sum(rep.tokens_after) / len(rep.tokens_after)) if rep else None))
 
 
 def session_policy(name: str, window: int, tiered: bool):

@@ -26,17 +26,34 @@ class Variant:
     prefill_ms: float
 
 
+@dataclass
+class Prefix:
+    """A prompt's shared beginning, prefilled once with nothing observed (no window, nothing compressed)."""
+
+    state: KVState
+    ms: float  # its prefill time, counted in every prompt that continues it
+
+    @classmethod
+    def of(cls, runner: ModelRunner, ids: Sequence[int]) -> Prefix:
+        state = runner.new_state()
+        t0 = time.perf_counter()
+        if ids:
+            runner.prefill(state, ids)
+        return cls(state, (time.perf_counter() - t0) * 1e3)
+
+
 def compressed_variants(runner: ModelRunner, ids: Sequence[int], window: int,
-                        configs: Sequence[CompressionConfig | None]) -> Iterator[Variant]:
+                        configs: Sequence[CompressionConfig | None], prefix: Prefix | None = None) -> Iterator[Variant]:
     """Prefill ``ids`` once, observing the last ``window`` tokens, then yield one :class:`Variant` per config.
 
     A copy per variant keeps the comparison exact (every variant starts from the same cache) and costs one
-    prefill instead of one per budget (36 s per 4K tokens on the quality model).
+    prefill instead of one per budget (36 s per 4K tokens on the quality model). With ``prefix``, ``ids`` are
+    prefilled onto a copy of its (uncompressed) state, so several prompts sharing a long beginning pay for it once.
     """
-    base = runner.new_state()
+    base = copy.deepcopy(prefix.state) if prefix is not None else runner.new_state()
     t0 = time.perf_counter()
     logits, probe = runner.prefill(base, ids, window=window)
-    prefill_ms = (time.perf_counter() - t0) * 1e3
+    prefill_ms = (time.perf_counter() - t0) * 1e3 + (prefix.ms if prefix is not None else 0.0)
     for cfg in configs:
         state = copy.deepcopy(base)
         report = runner.compress(state, cfg, probe) if cfg is not None else None
