@@ -50,6 +50,7 @@ def shipping_cost(city: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--dtype", default="auto", help="the started server's dtype (auto: bf16 where it is fast)")
     parser.add_argument("--base-url", default=None, help="a running server (default: start one here)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--json", action="store_true", help="also print a JSON summary as the last line")
@@ -61,7 +62,8 @@ def main() -> None:
     if url is None:
         policy = folder / "policy.json"
         policy.write_text(json.dumps(POLICY))
-        proc, url = start_server(args.model, folder, "--policy", str(policy), "--api-key", key, "--max-tokens", "160")
+        proc, url = start_server(args.model, folder, "--policy", str(policy), "--api-key", key, "--max-tokens", "160",
+                                 "--dtype", args.dtype)
     try:
         llm = ChatOpenAI(model=args.model, base_url=url, api_key=key, temperature=0, max_tokens=160, max_retries=0)
         agent = create_react_agent(llm, [order_status, shipping_cost])

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .models import ModelSpec
 from .policy import Policy
 from .session import Session
 from .store import SessionStore
@@ -54,14 +55,15 @@ def demo_policy(policy: str | None, budget: int | None, window: int | None) -> P
 
 
 def run_demo(model_name: str, policy: Policy, db: str | None, max_new_tokens: int,
-             stream: bool = False) -> Iterator[dict]:
+             stream: bool = False, dtype: str | None = None) -> Iterator[dict]:
     """Yield the session, then per turn its question (before any compute), the reply's text pieces as they are
-    decoded (``stream=True``) and the turn's figures, then the hash-chain check."""
+    decoded (``stream=True``) and the turn's figures, then the hash-chain check. ``dtype``: as
+    :class:`~snapkv_sessions.session.SessionOptions`' (None: float32)."""
     store = SessionStore(db)
-    session = Session.create(model_name, policy=policy, store=store, system=SYSTEM, title="demo")
+    session = Session.create(model_name, policy=policy, store=store, system=SYSTEM, title="demo", dtype=dtype)
     session.add_document(DOCUMENT, name="parcels")
     yield {"event": "session", "session_id": session.id, "store": repr(store), "policy": policy.name,
-           "model": model_name}
+           "model": model_name, "dtype": ModelSpec.parse(session.model_id).dtype}
     for number, question in enumerate(QUESTIONS, start=1):
         yield {"event": "question", "turn": number, "user": question.text, "note": question.note}
         for piece in session.stream(question.text, max_new_tokens=max_new_tokens):

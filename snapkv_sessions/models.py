@@ -236,15 +236,82 @@ def _convert_gguf(gguf: Path, target: Path, source: dict) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # the weights' dtypes a session may run in
+DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype and ``dtype=`` accept
+
+
+def bf16_fast() -> bool:
+    """Whether bf16 matmuls run natively here: CUDA, or a CPU with AVX-512 BF16 or AMX (oneDNN's bf16 kernels).
+    Elsewhere bf16 is emulated and slower than fp32."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(dtype: str | None) -> str:
+    """``None`` (the library's default) is float32; ``"auto"`` is bfloat16 where :func:`bf16_fast`, else float32."""
+    if dtype is None:
+        return "float32"
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError("dtype", dtype, f"must be one of {list(DTYPE_CHOICES)}")
+    if dtype == "auto":
+        return "bfloat16" if bf16_fast() else "float32"
+    return dtype
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model and the dtype its weights run in, as a session stores it (``model_id``).
+
+    A session is bound to its dtype: replay and ``--verify`` re-execute it in the same one, and a server
+    continues only its own dtype's sessions. float32 (every store written before dtypes were chosen) is the
+    bare name; another dtype is ``name@dtype``."""
+
+    name: str
+    dtype: str = "float32"
+
+    @staticmethod
+    def split(model_id: str) -> tuple[str, str | None]:
+        """``(name, dtype)`` of ``name@dtype``; ``(model_id, None)`` when it names no dtype."""
+        name, sep, tail = model_id.rpartition("@")
+        return (name, tail) if sep and name and tail in DTYPES else (model_id, None)
+
+    @classmethod
+    def parse(cls, model_id: str, dtype: str | None = None) -> ModelSpec:
+        """``name`` or ``name@dtype``; ``dtype`` (``auto`` resolved, None: float32) applies when the id names
+        none, and must agree with it when it does."""
+        name, named = cls.split(model_id)
+        if named is not None:
+            if dtype is not None and resolve_dtype(dtype) != named:
+                raise ConfigError("dtype", dtype, f"the model id {model_id!r} already names {named}")
+            return cls(name, named)
+        return cls(name, resolve_dtype(dtype))
+
+    @property
+    def model_id(self) -> str:
+        return self.name if self.dtype == "float32" else f"{self.name}@{self.dtype}"
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
 def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None):
-    """Resolve and load ``(model, tokenizer)``. fp32 on CPU unless ``dtype`` says otherwise."""
+    """Resolve and load ``(model, tokenizer)``. fp32 unless ``dtype`` (a torch dtype or one of
+    :data:`DTYPE_CHOICES`) says otherwise."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(dtype, str) or dtype is None:
+        dtype = getattr(torch, resolve_dtype(dtype))
     path = resolve_model(name)
     try:  # local files only: a name that is not here fails at once instead of retrying a hub it cannot reach
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except OSError as exc:
         raise ModelResolveError(
             f"model={str(name)!r}: cannot load it offline ({exc}); give a local folder, a .gguf file or one of "
@@ -255,21 +322,42 @@ def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None
     return model.eval(), tok
 
 
-_MODELS: dict[str, tuple] = {}  # name -> (model, tokenizer), loaded once per process
+_MODELS: dict[tuple[str, str], tuple] = {}  # (name, dtype) -> (model, tokenizer), loaded once per process
 
 
-def runner_for(model) -> tuple[ModelRunner, str]:
-    """A :class:`ModelRunner` and a model id from a bundle/hub name, ``(model, tokenizer)`` or a runner.
+def model_id_of(model, name: str | None = None) -> str:
+    """The stored id of a loaded model: its name (or ``_name_or_path``) with its weights' dtype."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    base = name if name is not None else str(getattr(model.config, "_name_or_path", "model"))
+    return ModelSpec(ModelSpec.parse(base).name, dtype if dtype in DTYPES else "float32").model_id
 
-    Named models load once per process."""
+
+def bound_model(model, model_id: str):
+    """What to load to re-run a session stored under ``model_id``: its own model when ``model`` is None, and a
+    bare name in the session's dtype (a session is exact only in the dtype it ran in); anything else as given."""
+    if model is None:
+        return model_id
+    if isinstance(model, str) and ModelSpec.split(model)[1] is None:
+        return ModelSpec.parse(model, ModelSpec.parse(model_id).dtype).model_id
+    return model
+
+
+def runner_for(model, dtype: str | None = None) -> tuple[ModelRunner, str]:
+    """A :class:`ModelRunner` and the stored model id (:class:`ModelSpec`) from a bundle/hub name (optionally
+    ``name@dtype``), ``(model, tokenizer)`` or a runner. ``dtype`` applies to a name (``auto``: bf16 where it is
+    fast); a loaded model runs in its own.
+
+    Named models load once per process and dtype."""
     from .runner import ModelRunner
 
     if isinstance(model, ModelRunner):
-        return model, str(getattr(model.model.config, "_name_or_path", "model"))
+        return model, model_id_of(model.model)
     if isinstance(model, tuple):
-        return ModelRunner(*model), str(getattr(model[0].config, "_name_or_path", "model"))
+        return ModelRunner(*model), model_id_of(model[0])
     if isinstance(model, str):
-        if model not in _MODELS:
-            _MODELS[model] = load_model(model)
-        return ModelRunner(*_MODELS[model]), model
+        spec = ModelSpec.parse(model, dtype)
+        key = (spec.name, spec.dtype)
+        if key not in _MODELS:
+            _MODELS[key] = load_model(spec.name, dtype=spec.dtype)
+        return ModelRunner(*_MODELS[key]), spec.model_id
     raise ConfigError("model", type(model).__name__, "must be a model name, (model, tokenizer) or a ModelRunner")

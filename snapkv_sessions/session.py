@@ -23,7 +23,7 @@ from .drift import Assessment, decide_turn
 from .errors import ConfigError
 from .forks import Snapshot
 from .generation import GenerationConfig, TextStream
-from .models import runner_for
+from .models import ModelSpec, bound_model, runner_for
 from .policy import Policy
 from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
@@ -40,6 +40,8 @@ class SessionOptions(TypedDict, total=False):
     first turn, as if the conversation had happened; the first turn prefills it whole. thread_id: an agent
     framework's thread (indexed: :meth:`SessionStore.session_for_thread` finds the session again). session_id: the id
     to give the session (a canonical UUID; a router that must name a session before it exists chooses it).
+    dtype: the weights' dtype when ``model`` is a name (``"auto"``: bf16 where the hardware runs it natively,
+    :func:`~snapkv_sessions.models.resolve_dtype`; default float32); the session is bound to it.
     """
 
     system: str | None
@@ -49,6 +51,7 @@ class SessionOptions(TypedDict, total=False):
     thread_id: str | None
     owner: str | None
     session_id: str | None
+    dtype: str | None
 
 
 class Session(SessionSync):
@@ -87,7 +90,7 @@ class Session(SessionSync):
         policy = Policy.load(policy).stated()
         if not isinstance(store, SessionStore):
             store = SessionStore(store, redis_url=options.get("redis_url"))
-        runner, model_id = runner_for(model)
+        runner, model_id = runner_for(model, options.get("dtype"))
         return cls.create_on(runner, model_id, policy, store, options)
 
     @classmethod
@@ -158,7 +161,11 @@ class Session(SessionSync):
         """The stored session on ``model`` (default: its own), which must be the model it is bound to."""
         store = store if isinstance(store, SessionStore) else SessionStore(store, redis_url=redis_url)
         row = store.get_session(session_id)
-        runner, model_id = runner_for(model if model is not None else row.model_id)
+        bound_dtype = ModelSpec.parse(row.model_id).dtype
+        runner, model_id = runner_for(bound_model(model, row.model_id))
+        if ModelSpec.parse(model_id).dtype != bound_dtype:
+            raise ConfigError("model", model_id, f"session {session_id} runs in {bound_dtype} ({row.model_id!r}); "
+                              f"replies and replays are only exact in the dtype it ran in")
         bound = (row.meta or {}).get("model_fingerprint")
         if bound is not None and bound != runner.fingerprint:  # sessions from before fingerprints are not checked
             raise ConfigError("model", model_id, f"session {session_id} is bound to model {row.model_id!r} "

@@ -102,7 +102,7 @@ def test_replay_errors_are_clean(tmp_path):
 @pytest.fixture
 def recorded(smollm2, tmp_path, monkeypatch):
     """A real 3-turn session (with one re-prefill) on SmolLM2, the model shared with the CLI."""
-    monkeypatch.setitem(models_mod._MODELS, "smollm2-135m-instruct", smollm2)
+    monkeypatch.setitem(models_mod._MODELS, ("smollm2-135m-instruct", "float32"), smollm2)
     db = f"sqlite:///{tmp_path / 'r.db'}"
     store = SessionStore(db)
     session = Session.create("smollm2-135m-instruct", policy=POLICY, store=store, system="Be brief.")

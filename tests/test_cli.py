@@ -63,7 +63,7 @@ def test_demo_prints_each_question_before_its_answer(monkeypatch):
     monkeypatch.setattr(sys, "stdout", out)
     printed_when_turn_ran: list[str] = []
 
-    def scripted_run_demo(model, policy, db, max_new_tokens, stream=False):
+    def scripted_run_demo(model, policy, db, max_new_tokens, stream=False, dtype=None):
         assert stream and model == DEFAULT_MODEL
         yield {"event": "session", "session_id": "s1", "store": "SessionStore(x)", "policy": "default", "model": model}
         for n, q in enumerate(QUESTIONS, start=1):

@@ -102,10 +102,17 @@ def test_new_options_reach_serve_options(monkeypatch):
     seen: dict = {}
 
     class FakeService:
-        model_id = "fake"
+        model_id = model_name = "fake"
 
         def __init__(self, *args):
             seen["service"] = args
+            seen["warm"] = []
+
+        def warm(self, tokens):
+            from snapkv_sessions.serve.warm import WarmReport
+
+            seen["warm"].append(tokens)
+            return WarmReport(tokens, [0.0, 0.0], 0.0)
 
     monkeypatch.setattr(serve_cli, "quiet_loaders", lambda: None)
     monkeypatch.setattr(serve_pkg, "Service", FakeService)
@@ -120,3 +127,6 @@ def test_new_options_reach_serve_options(monkeypatch):
     res = CliRunner().invoke(main, ["serve", "--model", "m"])
     opts = seen["options"]
     assert res.exit_code == 0 and (opts.max_messages, opts.docs, opts.shutdown_grace_s) == (1024, False, 10.0)
+    assert seen["warm"] == [1024] and "warm start: a 1024-token document" in res.output  # on by default
+    res = CliRunner().invoke(main, ["serve", "--model", "m", "--warm-tokens", "0"])
+    assert res.exit_code == 0 and seen["warm"] == []  # 0: no warm start

@@ -23,12 +23,12 @@ def find(store: SessionStore, session_id: str, text: str, turn: int | None = Non
     import torch
 
     from .. import stats
-    from ..models import runner_for
+    from ..models import bound_model, runner_for
     from ..session import Session
 
     if not isinstance(text, str) or not text:
         raise ConfigError("text", text, "must be a non-empty string")
-    runner, _ = runner_for(model if model is not None else store.get_session(session_id).model_id)
+    runner, _ = runner_for(bound_model(model, store.get_session(session_id).model_id))
     captured: dict[int, list] = {}
     selections: list = []  # the turn being replayed: its selections, filed under it when its TurnStat comes
     recalls: dict[int, list] = {}  # turn -> per layer, per KV head, true positions decode recalled from the tier

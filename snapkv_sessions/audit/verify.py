@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..models import bound_model
 from ..policy import MemoryPolicy, Policy
 from ..store import SessionStore
 from ..store.blobs import unpack_positions
@@ -54,7 +55,7 @@ def verify(store: SessionStore, session_id: str, model=None, progress=None) -> V
         if rec["policy_sha256"] != sess["policy_sha256"]:
             return VerifyResult(False, 0, Mismatch(rec["turn"], "policy", sess["policy_sha256"], rec["policy_sha256"]))
     checked = 0
-    for rec, new in _reexecute(store, session_id, policy, model if model is not None else sess["model_id"], done):
+    for rec, new in _reexecute(store, session_id, policy, bound_model(model, sess["model_id"]), done):
         checked += 1
         if progress is not None:
             progress(checked, len(done))
@@ -138,7 +139,7 @@ def against_full(store: SessionStore, session_id: str, model=None) -> list[dict]
     from ..transcript import Transcript, TurnContext
 
     sess = store.get_session(session_id)
-    runner, _ = runner_for(model if model is not None else sess["model_id"])
+    runner, _ = runner_for(bound_model(model, sess["model_id"]))
     messages = store.messages(session_id, include_abandoned=False)
     fresh = Transcript(runner.tokenizer, PinPolicy())  # never advanced: every plan renders from the start
     rows = []

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import click
 
 from ..errors import SnapKVError
+from ..models import DTYPE_CHOICES
 
 
 def clean_errors(fn):
@@ -84,14 +85,16 @@ def quiet_loaders() -> None:
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_CHOICES),
+              help="Weights' dtype; auto: bfloat16 where the CPU or GPU runs it natively, else float32.")
 @clean_errors
-def demo(model, policy, budget, window, max_new_tokens, db, as_json) -> None:
+def demo(model, policy, budget, window, max_new_tokens, db, as_json, dtype="auto") -> None:
     """Run a scripted multi-turn session: each question, its answer as it is decoded, and what the turn kept."""
     from ..demo import DEFAULT_MODEL, demo_policy, run_demo
 
     quiet_loaders()
     for row in run_demo(model or DEFAULT_MODEL, demo_policy(policy, budget, window), db, max_new_tokens,
-                        stream=not as_json):
+                        stream=not as_json, dtype=dtype):
         event = row.get("event")
         if as_json:
             if event != "question":

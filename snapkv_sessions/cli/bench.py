@@ -394,3 +394,22 @@ def bench_ruler(model, tasks, lengths, n_items, budgets, settings, methods, wind
     if plot_path:
         ruler.plot(result, plot_path)
     _emit(result, out, as_json, ruler.table, bulky="none")
+
+
+@bench.command("dtype")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True,
+              help="Model id, folder, GGUF or bundle.")
+@click.option("--prompts", "n_prompts", default=8, show_default=True, help="Prompts (of the built-in set).")
+@click.option("--max-new-tokens", default=24, show_default=True, help="Greedy tokens per reply.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_dtype(model, n_prompts, max_new_tokens, out, as_json) -> None:
+    """bf16 against fp32 weights, side by side: identical greedy replies, first divergence, prefill and decode time."""
+    from ..bench import dtype
+
+    if not 1 <= n_prompts <= len(dtype.PROMPTS):
+        raise click.ClickException(f"--prompts={n_prompts}: must be 1 to {len(dtype.PROMPTS)}")
+    quiet_loaders()
+    result = dtype.agreement(model, dtype.PROMPTS[:n_prompts], max_new_tokens)
+    _emit(result.to_json(), out, as_json, lambda _: dtype.table(result))

@@ -7,6 +7,7 @@ import time
 
 import click
 
+from ..models import DTYPE_CHOICES, ModelSpec
 from . import clean_errors, main, quiet_loaders
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -30,6 +31,9 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @main.command("serve")
 @click.option("--model", required=True, help="Model id, folder, GGUF or bundle (one model per process).")
 @click.option("--policy", default="default", show_default=True, help="Policy name or YAML path for new sessions.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_CHOICES),
+              help="Weights' dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32. "
+                   "A session is bound to the dtype it ran in.")
 @click.option("--db", default=None, help="SQLAlchemy URL or SQLite path of the store (default: embedded SQLite).")
 @click.option("--redis", "redis_url", default=None, help="Redis URL for locks and hot state (several workers).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -52,17 +56,24 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--docs", is_flag=True, help="Serve /docs, /redoc and /openapi.json, behind the API key when keys are set.")
 @click.option("--shutdown-grace", default=10.0, show_default=True,
               help="Seconds running turns may finish after SIGTERM; then they are stopped with 503.")
+@click.option("--warm-tokens", default=1024, show_default=True,
+              help="Before taking requests, serve a throwaway session with a document of this many tokens so the "
+                   "first request is as fast as the second (0: no warm start).")
 @click.option("--no-fork-boundaries", is_flag=True,
               help="Keep no turn boundaries: a conversation sent again at once forks by re-prefilling its history.")
 @clean_errors
-def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
+def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
           max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
-          no_fork_boundaries) -> None:
+          warm_tokens, no_fork_boundaries) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
-                         max_messages=max_messages, shutdown_grace=shutdown_grace)
+                         max_messages=max_messages, shutdown_grace=shutdown_grace, warm_tokens=warm_tokens)
     keys = _api_keys(api_keys, api_key_file)
+    model = ModelSpec.parse(model, dtype).model_id  # the id its sessions are stored under: name@dtype
+    if packed_weights and ModelSpec.parse(model).dtype != "float32":
+        raise click.ClickException(f"--packed-weights packs float32 weights; this server runs {model!r} "
+                                   "(add --dtype float32)")
     if not keys and host not in LOOPBACK:
         click.echo(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it "
                    "can use and read every session", err=True)
@@ -70,7 +81,8 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
         _serve_ray({"model": model, "db": db, "policy": policy, "redis_url": redis_url, "replicas": replicas,
                     "sessions_per_replica": max_live, "batch": batch, "max_tokens": max_tokens,
                     "api_keys": tuple(keys), "request_timeout_s": request_timeout,
-                    "max_body_bytes": int(max_body_mb * (1 << 20)), "max_messages": max_messages}, host, port)
+                    "max_body_bytes": int(max_body_mb * (1 << 20)), "max_messages": max_messages,
+                    "warm_tokens": warm_tokens}, host, port)
         return
     try:
         from ..serve import Capacity, ServeOptions, Service, create_app
@@ -84,16 +96,20 @@ def serve(model, policy, db, redis_url, host, port, api_keys, api_key_file, max_
                         keep_boundaries=not no_fork_boundaries)
     store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
     service = Service(model, policy, store, capacity)
+    if warm_tokens:
+        click.echo(service.warm(warm_tokens).line(), err=True)
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
                                            max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
                                            docs=docs, shutdown_grace_s=shutdown_grace))
-    click.echo(f"serving {service.model_id} on http://{host}:{port}/v1", err=True)
+    click.echo(f"serving {service.model_name} ({ModelSpec.parse(service.model_id).dtype}) on http://{host}:{port}/v1",
+               err=True)
     run_server(app, host, port, shutdown_grace)
 
 
 # serve's numeric options: the least value (int options), or (least, whether the least itself is allowed) for the
 # float ones; --port also has a most. Checked before anything is imported or loaded, each refusal one line.
-_SERVE_INTS = {"port": 0, "max_queue": 1, "max_tokens": 1, "max_live": 1, "batch": 0, "replicas": 1, "max_messages": 1}
+_SERVE_INTS = {"port": 0, "max_queue": 1, "max_tokens": 1, "max_live": 1, "batch": 0, "replicas": 1, "max_messages": 1,
+               "warm_tokens": 0}
 _SERVE_FLOATS = {"request_timeout": (0.0, False), "max_body_mb": (0.0, False), "shutdown_grace": (0.0, True)}
 MAX_PORT = 65535
 

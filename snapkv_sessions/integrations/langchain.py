@@ -53,6 +53,7 @@ from pydantic import AliasChoices, ConfigDict, Field, PrivateAttr, model_validat
 from ..chat import Message
 from ..conversations import FINISH, StreamFilter, reply_view, resolve, with_tools
 from ..errors import ConfigError
+from ..models import ModelSpec, model_id_of
 from ..policy import ROLES, Policy
 from ..session import Reply, Session
 from ..store import SessionStore
@@ -137,6 +138,8 @@ class ChatSnapKV(BaseChatModel):
         private SQLite file in a temporary directory, removed with the store (an in-memory SQLite database is
         one database per thread, and LangChain's async calls run in worker threads).
     redis_url : optional Redis for hot state and locks (see the store).
+    dtype : the weights' dtype when ``model`` is a name: ``"auto"`` (bf16 where the hardware runs it natively),
+        ``"bfloat16"``, ``"float32"`` (default, None) or ``"float16"``; a thread's session is bound to it.
     thread_id : the conversation used when a call names none. A call names one with
         ``config={"configurable": {"thread_id": ...}}`` (as LangGraph does) or ``thread_id=...``.
     max_tokens : reply length cap (alias ``max_new_tokens``).
@@ -159,6 +162,7 @@ class ChatSnapKV(BaseChatModel):
     policy: Any = "default"
     store: Any = Field(default=None, exclude=True)
     redis_url: str | None = None
+    dtype: str | None = None
     thread_id: str = "default"
     max_tokens: int = Field(default=128, validation_alias=AliasChoices("max_tokens", "max_new_tokens"))
     temperature: float = 0.0
@@ -186,6 +190,8 @@ class ChatSnapKV(BaseChatModel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         # After pydantic, so that a bad policy raises the library's PolicyError, not a wrapped ValidationError.
+        if isinstance(self.model, str):
+            ModelSpec.parse(self.model, self.dtype)  # a bad dtype raises ConfigError naming it, before any load
         given = Policy.load(self.policy)
         self._policy = given.stated()  # as a new session stores it
         # a thread's session may predate the tiered memory: stored under the policy as it was given then
@@ -204,6 +210,14 @@ class ChatSnapKV(BaseChatModel):
             return self.model
         loaded = getattr(self.model, "model", None) or (self.model[0] if isinstance(self.model, tuple) else None)
         return str(getattr(getattr(loaded, "config", None), "_name_or_path", "") or type(loaded).__name__)
+
+    @property
+    def _model_id(self) -> str:
+        """What the thread's sessions are stored under: the name, with the dtype when it is not float32."""
+        if isinstance(self.model, str):
+            return ModelSpec.parse(self.model, self.dtype).model_id
+        loaded = getattr(self.model, "model", None) or self.model[0]
+        return model_id_of(loaded, self.model_name)
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -297,14 +311,15 @@ class ChatSnapKV(BaseChatModel):
         thread in their title only, which the store reads only when the indexed lookup misses.
         """
         store = self._session_store()
-        sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=self._policy.sha256,
+        sid = store.session_for_thread(thread_id, model_id=self._model_id, policy_sha256=self._policy.sha256,
                                        legacy_title=self._title(thread_id))
         for earlier in self._legacy_shas:  # the thread's session may predate the tier or drift.follow_ups
             if sid is not None:
                 break
-            sid = store.session_for_thread(thread_id, model_id=self.model_name, policy_sha256=earlier,
+            sid = store.session_for_thread(thread_id, model_id=self._model_id, policy_sha256=earlier,
                                            legacy_title=self._title(thread_id))
-        return None if sid is None else Session.open(sid, model=self.model, store=store)
+        return None if sid is None else Session.open(sid, model=self._model_id if isinstance(self.model, str)
+                                                     else self.model, store=store)
 
     def _session_for(self, thread_id: str, wanted: list[Message], tools: list[str] | None) -> tuple[Session, list[Message]]:
         """The thread's session and the messages it has not seen; a new session when ``wanted`` does not extend it."""
@@ -313,8 +328,9 @@ class ChatSnapKV(BaseChatModel):
             self._threads[thread_id] = session
             return session, list(found.new)
         # the title is for people listing sessions; the thread is found again through the indexed thread_id
-        session = Session.create(self.model, policy=self._policy, store=self._session_store(),
-                                 title=self._title(thread_id), thread_id=thread_id, history=wanted[:-1])
+        session = Session.create(self._model_id if isinstance(self.model, str) else self.model,
+                                 policy=self._policy, store=self._session_store(), title=self._title(thread_id),
+                                 thread_id=thread_id, history=wanted[:-1])
         self._threads[thread_id] = session
         return session, wanted[-1:]
 

@@ -266,7 +266,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         owner(request)
-        return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": 0,
                                             "owned_by": "snapkv-sessions"}]}
 
     @app.post("/v1/chat/completions")

@@ -61,7 +61,8 @@ class RaySpec:
     replicas: engine replicas; sessions_per_replica: sessions a replica keeps hot (Ray Serve's
     ``max_num_models_per_replica``); batch: decode slots per replica; max_tokens: the reply cap of a request that
     names none; api_keys: bearer keys (empty: local use); request_timeout_s: a request's deadline;
-    torch_threads: intra-op threads per replica (None: torch's default).
+    torch_threads: intra-op threads per replica (None: torch's default); warm_tokens: the document of each
+    replica's warm start (:mod:`.warm`; 0: none), served before the replica takes requests.
     """
 
     model: str
@@ -77,10 +78,12 @@ class RaySpec:
     torch_threads: int | None = None
     max_body_bytes: int = 8 << 20
     max_messages: int = 1024  # messages one request may carry (as serve --max-messages)
+    warm_tokens: int = 0
     extra_actor_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        at_least(self, {"replicas": 1, "sessions_per_replica": 1, "batch": 0, "max_tokens": 1, "max_messages": 1})
+        at_least(self, {"replicas": 1, "sessions_per_replica": 1, "batch": 0, "max_tokens": 1, "max_messages": 1,
+                        "warm_tokens": 0})
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
 
     @classmethod
@@ -146,6 +149,8 @@ def _engine_deployment(spec: RaySpec):
             capacity = Capacity(max_live=self.spec.sessions_per_replica, max_tokens=self.spec.max_tokens,
                                 batch=self.spec.batch)
             self.service = Service(self.spec.model, self.spec.policy, store, capacity)
+            if self.spec.warm_tokens:
+                self.service.warm(self.spec.warm_tokens)
             self.name = serve.get_replica_context().replica_id.to_full_id_str()
 
         @serve.multiplexed(max_num_models_per_replica=spec.sessions_per_replica)
@@ -263,7 +268,7 @@ def _ingress_deployment(spec: RaySpec):
                 authorize(request, self.keys)
             except ApiError as exc:
                 return exc.response()
-            return JSONResponse({"object": "list", "data": [{"id": self.router.model_id, "object": "model",
+            return JSONResponse({"object": "list", "data": [{"id": self.router.model_name, "object": "model",
                                                              "created": 0, "owned_by": "snapkv-sessions"}]})
 
         @app.post("/v1/chat/completions")

@@ -44,12 +44,13 @@ from ..conversations import (
 from ..errors import ConfigError, bounded_repr
 from ..generation import GenerationConfig
 from ..integrations.openai import tool_names
-from ..models import runner_for
+from ..models import ModelSpec, runner_for
 from ..policy import Policy
 from ..session import Reply, Session, Snapshot
 from ..store import SessionStore, StoreError, StoreUnavailable
 from ..store.hashing import GENESIS
 from . import protocol
+from .warm import WarmReport, warm_up
 from .worker import Job
 
 BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
@@ -163,12 +164,15 @@ class Router:
     def __init__(self, model_id: str, policy: str | dict | Policy | None, store: SessionStore,
                  max_tokens: int = 256) -> None:
         self.model_id, self.store, self.max_tokens = model_id, store, max_tokens
+        # what clients call the model (its name); sessions are stored under model_id, which adds a dtype other
+        # than float32, so a server in another dtype never continues them
+        self.model_name = ModelSpec.split(model_id)[0]
         self.policy = Policy.load(policy).stated()
 
     def prepare(self, req: protocol.ChatCompletionRequest, owner: str | None, session_header: str | None) -> TurnRequest:
         """Check a request (no model work): its messages as session messages, tools, generation settings."""
-        if req.model != self.model_id:
-            raise ConfigError("model", req.model, f"this server serves {self.model_id!r} only")
+        if req.model not in (self.model_name, self.model_id):
+            raise ConfigError("model", req.model, f"this server serves {self.model_name!r} only")
         wanted = with_tools(protocol.to_messages(req), req.tools, req.tool_choice)
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         gen = {"max_new_tokens": req.max_completion_tokens or req.max_tokens or self.max_tokens, "stop": stops}
@@ -247,6 +251,10 @@ class Service(Router):
             self.runner.prefill_chunk = min(self.runner.prefill_chunk, BATCH_PREFILL_CHUNK)
             self.scheduler = Scheduler(self.runner, slots=capacity.batch)
             self.runner = self.scheduler.runner  # sessions run on the scheduler's view of the model
+
+    def warm(self, tokens: int = 1024) -> WarmReport:
+        """Serve a throwaway session now so the first request does not pay for first use (:mod:`.warm`)."""
+        return warm_up(self.runner, self.model_id, self.policy, _release, tokens)
 
     @property
     def threads(self) -> int:

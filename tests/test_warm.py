@@ -1,0 +1,64 @@
+"""The server's warm start: a throwaway session served before the first request, bounded, leaving nothing behind."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+from click.testing import CliRunner
+
+from snapkv_sessions.cli import main
+from snapkv_sessions.errors import ConfigError
+from snapkv_sessions.serve.warm import MAX_WARM_TOKENS, document
+from tests.test_dtype import _tiny_tokenizer
+
+POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
+
+
+def _service(tmp_path, batch: int):
+    from snapkv_sessions.serve import Capacity, Service
+    from snapkv_sessions.store import SessionStore
+    from tests.conftest import build_tiny
+
+    model = build_tiny("qwen2")
+    model.config._name_or_path = "tiny"
+    return Service((model, _tiny_tokenizer()), POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
+                   Capacity(batch=batch))
+
+
+@pytest.mark.parametrize("batch", [0, 2])
+def test_the_warm_start_serves_two_turns_and_stores_nothing(tmp_path, monkeypatch, batch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    service = _service(tmp_path, batch)
+    try:
+        report = service.warm(48)
+        assert 0 < report.tokens <= 48 and len(report.turn_s) == 2
+        assert report.total_s >= sum(report.turn_s)
+        assert service.store.list_sessions() == []  # the server's store never saw it
+        assert list((tmp_path / "tmp").glob("snapkv-warm-*")) == []  # its private store is gone
+        assert f"a {report.tokens}-token document" in report.line()
+    finally:
+        service.close()
+
+
+def test_the_document_never_exceeds_its_tokens():
+    tok = _tiny_tokenizer()
+    for n in (1, 10, 97):
+        text = document(tok, n)
+        assert len(tok(text, add_special_tokens=False)["input_ids"]) <= n
+    assert len(tok(document(tok, 97), add_special_tokens=False)["input_ids"]) > 80  # it does fill them
+
+
+def test_a_warm_start_out_of_bounds_is_refused(tmp_path):
+    service = _service(tmp_path, 0)
+    for bad in (0, MAX_WARM_TOKENS + 1):
+        with pytest.raises(ConfigError, match="warm_tokens") as err:
+            service.warm(bad)
+        assert str(bad) in str(err.value)
+    assert service.store.list_sessions() == []
+
+
+def test_serve_refuses_a_negative_warm_start_before_loading_anything():
+    out = CliRunner().invoke(main, ["serve", "--model", "no-such-model", "--warm-tokens", "-1"])
+    assert out.exit_code == 1 and "--warm-tokens=-1" in out.output
