@@ -79,6 +79,20 @@ def test_rulers_client_against_our_server(server, tmp_path):
     assert cell["score"] == string_match_all([rd.postprocess(r["reply"]) for r in rows], [r["references"] for r in rows])
 
 
+@pytest.mark.slow
+def test_a_failing_server_stops_rulers_client(server, tmp_path):
+    """call_api.py retries a failed request for ever: it is stopped after a few failures, the server's answer named,
+    and nothing is written for the items it never answered."""
+    url, folder = server
+    path = tmp_path / "r.jsonl"
+    res = CliRunner().invoke(main, ["bench", "ruler-client", "--url", url, "--model", "not-the-served-model",
+                                    "--tokenizer", folder, "--tasks", "niah_single_2", "--lengths", "1024",
+                                    "--items", "1", "--max-new-tokens", "4", "--results", str(path), "--json"])
+    assert res.exit_code == 1, res.output
+    assert "requests failed" in res.output and "this server serves" in res.output
+    assert load_rows(str(path)) == []
+
+
 def test_summary_scores_with_rulers_metric():
     rows = [{"model": "m", "task": "niah_multivalue", "length": 9, "item": i, "answer_prefix": True, "reply": reply,
              "references": ["12", "34"], "request_ms": ms, "prompt_tokens": 5}
