@@ -22,8 +22,7 @@ WORDS = ("the special magic number for is hidden within following text what are 
          "var memorize track chain a an to it you will quiz about afterwards . , : = ? ! ( ) -").split()
 
 
-@pytest.fixture(scope="module")
-def tok():
+def word_tokenizer():
     """A word-level tokenizer of 90 entries (unknown words are one [UNK]) with a minimal chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -36,6 +35,11 @@ def tok():
     assert len(vocab) <= 96  # the tiny models' vocabulary
     return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
                                    chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return word_tokenizer()
 
 
 @pytest.fixture(scope="module")

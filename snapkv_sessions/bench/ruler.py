@@ -83,11 +83,12 @@ def row_key(r: dict) -> tuple:
 
 
 class Results:
-    """The JSONL file: rows already there, and one line appended (and flushed) per finished row."""
+    """The JSONL file: rows already there, and one line appended (and flushed) per finished row. ``key``: a row's
+    identity (``bench ruler``'s :func:`row_key` unless told)."""
 
-    def __init__(self, path: str | None):
-        self.path, self.rows = path, load_rows(path)
-        self.keys = {row_key(r): r for r in self.rows}
+    def __init__(self, path: str | None, key=row_key):
+        self.path, self.rows, self.key = path, load_rows(path), key
+        self.keys = {key(r): r for r in self.rows}
         self.computed = 0
         if path and self.rows:
             with open(path, "rb+") as fh:  # a line cut short by a kill: end the file with a newline
@@ -97,7 +98,7 @@ class Results:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
-        self.keys[row_key(row)] = row
+        self.keys[self.key(row)] = row
         self.computed += 1
         if self.path:
             with open(self.path, "a") as fh:

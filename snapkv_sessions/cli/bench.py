@@ -413,3 +413,48 @@ def bench_dtype(model, n_prompts, max_new_tokens, out, as_json) -> None:
     quiet_loaders()
     result = dtype.agreement(model, dtype.PROMPTS[:n_prompts], max_new_tokens)
     _emit(result.to_json(), out, as_json, lambda _: dtype.table(result))
+
+
+@bench.command("ruler-client")
+@click.option("--url", required=True, help="The server's base URL, e.g. http://127.0.0.1:8000/v1.")
+@click.option("--model", default=None, help="The model id sent in requests (default: the server's GET /models).")
+@click.option("--tokenizer", default=None,
+              help="Model id, folder, GGUF or bundle whose tokenizer sizes the tasks (default: --model).")
+@click.option("--tasks", default="niah_single_2", show_default=True, help="RULER tasks (any of the 13).")
+@click.option("--lengths", default="4096", show_default=True,
+              help="Lengths in tokens (prompt + tokens to generate, RULER's definition).")
+@click.option("--items", "n_items", default=2, show_default=True, help="Items per task and length.")
+@click.option("--max-new-tokens", default=None, type=int, help="Reply cap (default: RULER's per task).")
+@click.option("--answer-prefix/--no-answer-prefix", default=True, show_default=True,
+              help="End the user message with RULER's answer prefix (its base template), or leave it out.")
+@click.option("--threads", default=1, show_default=True, help="call_api.py's concurrent requests.")
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True, help="Seconds one request may take.")
+@click.option("--api-key", default=None, help="Bearer key for the server.")
+@click.option("--allow-remote", is_flag=True, help="Allow a server that is not on 127.0.0.1, ::1 or localhost.")
+@click.option("--results", default=None, help="JSONL file: one line per finished item; what it holds is skipped.")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Continue the results file (--no-resume: start it again).")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_ruler_client(url, model, tokenizer, tasks, lengths, n_items, max_new_tokens, answer_prefix, threads,
+                       timeout_s, api_key, allow_remote, results, resume, out, as_json) -> None:
+    """RULER's own client (long_context_eval/pred/call_api.py) against an OpenAI-compatible server, on RULER tasks
+    generated offline; RULER's score per task and length, and each request's wall time."""
+    from ..bench import ruler_client
+    from ..errors import ConfigError, bounded_repr
+
+    try:
+        ruler_client.check_url(url, allow_remote)
+    except ConfigError as exc:
+        raise click.BadParameter(f"{bounded_repr(url)}: {exc.reason}", param_hint="--url") from None
+    if threads < 1 or n_items < 1:
+        raise click.BadParameter(f"{min(threads, n_items)}: must be at least 1", param_hint="--threads/--items")
+    if results and not resume and os.path.exists(results):
+        os.remove(results)
+    quiet_loaders()
+    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
+    result = ruler_client.run(url, [t.strip() for t in tasks.split(",") if t.strip()], _int_list("lengths", lengths),
+                              n_items, tokenizer, model, results, max_new_tokens, answer_prefix, threads, timeout_s,
+                              api_key, allow_remote, log=log)
+    _emit(result, out, as_json, ruler_client.table, bulky="none")
