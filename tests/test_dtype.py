@@ -118,12 +118,16 @@ def test_a_bf16_session_is_stored_verified_and_reopened_in_bf16(smollm2, tmp_pat
 
 @pytest.mark.bundle
 @pytest.mark.slow
-def test_bf16_replies_against_fp32_on_the_bundled_model(smollm2):
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_bf16_replies_against_fp32_on_the_bundled_models(name):
     """Greedy replies of bf16 against fp32 weights: how often they are identical and where they first differ
     (``bench dtype`` prints the same figures for any model). bf16 rounds every matmul, so replies may part
     after a near-tie; the first token, decided by a clear margin on these prompts, agrees on every prompt."""
     from snapkv_sessions.bench.dtype import PROMPTS, agreement
+    from snapkv_sessions.models import bundle_available
 
-    out = agreement("smollm2-135m-instruct", PROMPTS[:4], max_new_tokens=12)
+    if not bundle_available(name):
+        pytest.skip(f"bundle {name} not installed")
+    out = agreement(name, PROMPTS[:4], max_new_tokens=12)
     assert out.prompts == 4 and out.identical == sum(d is None for d in out.first_divergence)
     assert all(d is None or d > 0 for d in out.first_divergence)
