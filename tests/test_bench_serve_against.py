@@ -110,6 +110,8 @@ def test_the_same_requests_reach_every_other_server(fakes):
     servers = out["servers"]
     assert [s["at_clients"] for s in servers] == [1, 1] and out["ratios"] == []
     assert servers[0]["rss_bytes"] > 0 and servers[1]["rss_bytes"] is None  # --against-pid: the first only
+    text = serve_bench.table(out)  # one row-group per server, each headed by its summary
+    assert text.count("TTFT p50 first/later turns") == 2 and f"{b.url} (fake-model): " in text
 
 
 def test_a_remote_server_is_refused_unless_allowed():

@@ -539,11 +539,13 @@ def table(result: dict) -> str:
         for r in result["levels"]:
             if server["server"] is not None and r.get("server") != server["server"]:
                 continue
-            lines.append(f"{r['batch']!s:>5} {'yes' if r['packed'] else 'no':>6} {r.get('budget')!s:>6} "
-                         f"{r['clients']:>3} {r['turns']:>5} {r['tokens_per_s']!s:>7} {r['speedup']!s:>5} "
-                         f"{r['decode_tokens_per_s']!s:>8} {r['decode_speedup']!s:>5} {r['ttft_ms_p50']!s:>9} "
-                         f"{r.get('ttft_first_ms_p50')!s:>9} {r.get('ttft_later_ms_p50')!s:>9} "
-                         f"{r['tpot_ms_p50']!s:>9} {r['tpot_ms_p95']!s:>9} {r['status_429']:>4} {r['errors']:>6}")
+            c = {k: "-" if v is None else str(v) for k, v in r.items()}
+            packed = "-" if r.get("kind") == "against" else "yes" if r["packed"] else "no"
+            lines.append(f"{c['batch']:>5} {packed:>6} {c.get('budget', '-'):>6} "
+                         f"{r['clients']:>3} {r['turns']:>5} {c['tokens_per_s']:>7} {c['speedup']:>5} "
+                         f"{c['decode_tokens_per_s']:>8} {c['decode_speedup']:>5} {c['ttft_ms_p50']:>9} "
+                         f"{c.get('ttft_first_ms_p50', '-'):>9} {c.get('ttft_later_ms_p50', '-'):>9} "
+                         f"{c['tpot_ms_p50']:>9} {c['tpot_ms_p95']:>9} {r['status_429']:>4} {r['errors']:>6}")
     if result.get("ratios"):
         ns = sorted({n for x in result["ratios"] for n in x["tokens_per_s"]}, key=int)
         lines += ["", "ours / theirs: TTFT first, later turns, decode per stream, "
