@@ -56,9 +56,9 @@ def _levels(url: str, bench: ServeBench, server: str, log) -> list[dict]:
     stream_turn(url, bench.model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, None)
     rows = []
     for n in bench.levels:
-        row = {"server": server, **run_clients(url, bench.model, n, bench, None)}
-        row["sessions"] = sorted({t.get("session_id") for t in row["per_turn"] if t.get("session_id")})
-        row.pop("per_turn")
+        level = run_clients(url, bench.model, n, bench, None)
+        row = {"server": server, **level.to_json()}
+        row["sessions"] = sorted({t.session_id for t in level.per_turn if t.session_id})
         log(f"{server} N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
             f"TPOT p50 {row['tpot_ms_p50']} ms, errors {row['errors']}")
         rows.append(row)

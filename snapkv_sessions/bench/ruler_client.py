@@ -38,46 +38,20 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 
 from ..errors import ConfigError, ModelResolveError, SnapKVError
 from .ruler import Results, load_rows
 from .ruler_data import _package, generate, metric, postprocess, score, task_table
+from .serve import LOOPBACK, check_url, served_model  # noqa: F401 - LOOPBACK and check_url: this module's API too
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 FAILURES = 6  # failed requests before the client is stopped: one more than tenacity's tries for one item
 SUBSET = "validation"  # call_api.py's default --subset: the file name it reads
 
 
 class ClientError(SnapKVError, RuntimeError):
     """RULER's client could not finish: the server kept failing, or the deadline passed."""
-
-
-def check_url(url: str, allow_remote: bool = False) -> str:
-    """The server's base URL (``http://host:port/v1``, no trailing slash; a trailing ``/chat/completions`` is
-    dropped). A host other than 127.0.0.1, ::1 or localhost is refused unless ``allow_remote``."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError("url", url, "give the server's base URL, e.g. http://127.0.0.1:8000/v1")
-    if parts.hostname not in LOOPBACK and not allow_remote:
-        raise ConfigError("url", url, f"host {parts.hostname!r} is not a loopback address (127.0.0.1, ::1, "
-                                      "localhost): the prompts would leave this machine; pass --allow-remote to mean it")
-    base = url.strip().rstrip("/")
-    return base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
-
-
-def served_model(url: str, api_key: str | None = None) -> str:
-    """The first model id of the server's ``GET /models``."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        res = httpx.get(f"{url}/models", headers=headers, timeout=30)
-        res.raise_for_status()
-        return res.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise ClientError(f"url={url!r}: GET /models gave no model id ({exc.__class__.__name__}: "
-                          f"{str(exc)[:200]}); give --model") from None
 
 
 def load_tokenizer(name: str):

@@ -1,12 +1,19 @@
-"""``bench serve``: N concurrent clients against ``snapkv-sessions serve``, each a multi-turn session.
+"""``bench serve``: N concurrent clients against ``snapkv-sessions serve``, each a multi-turn session, and the same
+workload against any other OpenAI-compatible server (``--against``: vLLM, SGLang, llama.cpp's server) in one run.
 
-Every client streams its turns through the OpenAI wire format (SSE, ``stream_options.include_usage``) and sends
-the whole conversation each time, as agent frameworks do. Per turn: time to the first content token (TTFT), time
-per output token after it (TPOT), completion tokens; per level of concurrency: aggregate completion tokens per
+Every client streams its turns through the OpenAI wire format (SSE, ``stream_options.include_usage``, greedy:
+``temperature`` 0) and sends the whole conversation each time, as agent frameworks do: each server's own replies
+become the assistant messages of its next requests, so the requests are identical across servers up to those
+replies and the ``model`` field. Per turn: time to the first content token (TTFT), time per output token after it
+(TPOT), completion tokens (the server's ``usage``); per level of concurrency: aggregate completion tokens per
 second over the wall time, aggregate decode tokens per second (:func:`decode_rate`), p50/p95 of TTFT and TPOT,
-429s and other errors. Servers with and without batching (and packed weights) run one after another in one run,
-and every row's ratios are to the one-turn-at-a-time server's at the same N. The server runs in a subprocess on a
-free loopback port with a private SQLite store, unless ``base_url`` names a running one.
+the p50 TTFT of first and of later turns, the p50 of each stream's own decode rate, the server's RSS (our server's
+process tree, or ``--against-pid``'s), 429s and other errors.
+
+Our servers (one per ``batches`` value, packed setting and budget) run one after another, each in a subprocess on
+a free loopback port with a private SQLite store, unless ``base_url`` names a running one; then every other server,
+one after another. Every row's ``speedup`` is to our one-turn-at-a-time server's at the same budget and N, and
+``ratios`` holds each of our servers over each other one (ours / theirs).
 """
 
 from __future__ import annotations
@@ -19,13 +26,26 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
 
 import httpx
 
+from ..errors import ConfigError, SnapKVError
+
 QUESTIONS = ["Name three rivers in Europe.", "Which of them is the longest?", "Write one sentence about it.",
              "Now name a river in Asia.", "Compare the two in one sentence."]
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+FULL_BUDGET = 32768  # tokens per layer: more than any context the bundled models take, so nothing is evicted
+NEVER = 1 << 30  # min_prompt_tokens of the full budget: no context is that long, so nothing observes or compresses
+
+Budget = int | float | str  # a token budget, a budget ratio in (0, 1], "full", or "policy" (the policy's own)
+
+
+class EndpointError(SnapKVError, RuntimeError):
+    """An OpenAI-compatible server did not answer as one (down, or its ``GET /models`` names no model)."""
 
 
 @dataclass
@@ -38,7 +58,184 @@ class TurnTiming:
     completion_tokens: int
     prompt_tokens: int
     decoding: tuple[float, float] | None = None  # (first, last) content piece, perf_counter seconds
-    session_id: str | None = None  # the session that served the turn
+    session_id: str | None = None  # the session that served the turn (our server's extension field)
+    error: str | None = None  # a refused request: the start of the server's error body
+
+
+@dataclass
+class Level:
+    """One level of concurrency against one server: what its clients measured."""
+
+    clients: int
+    turns: int
+    wall_s: float
+    completion_tokens: int
+    tokens_per_s: float | None
+    decode_tokens_per_s: float | None  # aggregate, over the time some turn was decoding (decode_rate)
+    ttft_ms_p50: float | None
+    ttft_ms_p95: float | None
+    tpot_ms_p50: float | None
+    tpot_ms_p95: float | None
+    ttft_first_ms_p50: float | None  # the clients' first turns (the document, when there is one)
+    ttft_later_ms_p50: float | None  # their later turns
+    stream_decode_tokens_per_s: float | None  # p50 over turns of a turn's own (tokens - 1) / (last - first piece)
+    status_429: int
+    errors: int
+    error_samples: list[str]
+    per_turn: list[TurnTiming] = field(repr=False)
+    rss_bytes: int | None = None  # the server's, read once the level ended
+
+    def to_json(self) -> dict:
+        """The level's figures for the result JSON, without its per-turn records."""
+        return {k: v for k, v in asdict(self).items() if k != "per_turn"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """One server a run measures: one of ours (started by the run, or ``base_url``) or another (``--against``)."""
+
+    kind: Literal["ours", "against"]
+    url: str | None = None  # None: ours, started by the run on a free loopback port
+    model: str | None = None  # the model id its requests name (None: the bench's model)
+    key: str | None = None
+    pid: int | None = None  # the process whose tree's RSS is read (ours started by the run: filled in at launch)
+    batch: int | None = None  # ours: decode slots
+    packed: bool = False  # ours: packed linear weights
+    budget: Budget | None = None  # ours: "full", a ratio, a token budget, or "policy"
+
+    @property
+    def label(self) -> str:
+        if self.kind == "against":
+            return f"{self.url} ({self.model})"
+        parts = [f"batch={self.batch}", f"packed={self.packed}"]
+        return "ours " + ",".join([*parts, f"budget={self.budget}"] if self.budget is not None else parts)
+
+
+@dataclass
+class ServerRun:
+    """Every level against one server, and its summary: the level with the fewest clients (``at_clients``) gives
+    the first- and later-turn TTFT and the single-stream decode rate; RSS is the largest read after a level."""
+
+    target: Target
+    levels: list[Level]
+
+    @property
+    def summary_level(self) -> Level | None:
+        return min(self.levels, key=lambda lv: lv.clients) if self.levels else None
+
+    @property
+    def rss_bytes(self) -> int | None:
+        seen = [lv.rss_bytes for lv in self.levels if lv.rss_bytes is not None]
+        return max(seen) if seen else None
+
+    def to_json(self) -> dict:
+        lv = self.summary_level
+        return {"server": self.target.label, "kind": self.target.kind, "url": self.target.url,
+                "model": self.target.model, "batch": self.target.batch, "packed": self.target.packed,
+                "budget": self.target.budget, "at_clients": lv.clients if lv else None,
+                "ttft_first_ms_p50": lv.ttft_first_ms_p50 if lv else None,
+                "ttft_later_ms_p50": lv.ttft_later_ms_p50 if lv else None,
+                "stream_decode_tokens_per_s": lv.stream_decode_tokens_per_s if lv else None,
+                "tokens_per_s": {str(x.clients): x.tokens_per_s for x in self.levels},
+                "rss_bytes": self.rss_bytes}
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """One of our servers over another server (ours / theirs): below 1 is better for the TTFTs and RSS, above 1
+    for the rates."""
+
+    ours: str
+    theirs: str
+    ttft_first: float | None
+    ttft_later: float | None
+    stream_decode: float | None
+    tokens_per_s: dict[str, float | None]  # per N (as a string: JSON's keys)
+    decode_tokens_per_s: dict[str, float | None]
+    rss: float | None
+
+    @classmethod
+    def of(cls, ours: ServerRun, theirs: ServerRun) -> Ratios:
+        a, b = ours.summary_level, theirs.summary_level
+        by_n = {lv.clients: lv for lv in theirs.levels}
+
+        def per_n(name: str) -> dict[str, float | None]:
+            return {str(lv.clients): _ratio(getattr(lv, name), getattr(by_n.get(lv.clients), name, None))
+                    for lv in ours.levels}
+
+        return cls(ours.target.label, theirs.target.label,
+                   _ratio(a and a.ttft_first_ms_p50, b and b.ttft_first_ms_p50),
+                   _ratio(a and a.ttft_later_ms_p50, b and b.ttft_later_ms_p50),
+                   _ratio(a and a.stream_decode_tokens_per_s, b and b.stream_decode_tokens_per_s),
+                   per_n("tokens_per_s"), per_n("decode_tokens_per_s"), _ratio(ours.rss_bytes, theirs.rss_bytes))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def check_url(url: str, allow_remote: bool = False, param: str = "url") -> str:
+    """A server's base URL (``http://host:port/v1``, no trailing slash; a trailing ``/chat/completions`` is
+    dropped). A host other than 127.0.0.1, ::1 or localhost is refused unless ``allow_remote``: a benchmark's
+    prompts should not leave the machine by a typo."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(param, url, "give the server's base URL, e.g. http://127.0.0.1:8000/v1")
+    if parts.hostname not in LOOPBACK and not allow_remote:
+        raise ConfigError(param, url, f"host {parts.hostname[:80]!r} is not a loopback address (127.0.0.1, ::1, "
+                                      "localhost): the prompts would leave this machine; pass --allow-remote to mean it")
+    base = url.strip().rstrip("/")
+    return base[: -len("/chat/completions")] if base.endswith("/chat/completions") else base
+
+
+def served_model(url: str, api_key: str | None = None, hint: str = "give --model") -> str:
+    """The first model id of the server's ``GET /models``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        res = httpx.get(f"{url}/models", headers=headers, timeout=30)
+        res.raise_for_status()
+        return res.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EndpointError(f"url={url[:200]!r}: GET /models gave no model id ({exc.__class__.__name__}: "
+                            f"{str(exc)[:200]}); {hint}") from None
+
+
+def tree_rss_bytes(pid: int) -> int | None:
+    """The summed VmRSS of a process and all its descendants (Linux ``/proc``; pages shared between them count
+    once per process), or None when the process is gone or ``/proc`` cannot be read."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    root = _vm_rss(pid)
+    if root is None:
+        return None
+    total, todo, seen = root, list(children.get(pid, [])), {pid}
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += _vm_rss(p) or 0
+        todo += children.get(p, [])
+    return total
+
+
+def _vm_rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return 0  # a zombie: no memory left
 
 
 def start_server(model: str, folder: Path, *args: str, wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
@@ -67,17 +264,22 @@ def start_server(model: str, folder: Path, *args: str, wait_s: float = 300.0) ->
     raise RuntimeError(f"the server did not answer within {wait_s:.0f} s")
 
 
+def request_body(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """The body of every request a bench client sends, to any server: streamed with usage, greedy."""
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
 def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, client: int, turn: int,
                 key: str | None) -> tuple[TurnTiming, str]:
     """One streamed request; its timing and the reply text."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = request_body(model, messages, max_tokens)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     t0, first, last, text, usage, session_id = time.perf_counter(), None, None, [], {}, None
     with httpx.stream("POST", f"{url}/chat/completions", json=body, headers=headers, timeout=600) as res:
         if res.status_code != 200:
-            res.read()
-            return TurnTiming(client, turn, res.status_code, None, None, 0, 0), ""
+            text = res.read().decode(errors="replace")
+            return TurnTiming(client, turn, res.status_code, None, None, 0, 0, error=f"{res.status_code}: {text[:200]}"), ""
         for line in res.iter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
@@ -108,7 +310,7 @@ def document(client: int, tokens: int) -> str:
     return "\n".join(lines)
 
 
-def run_clients(url: str, model: str, clients: int, bench: ServeBench, key: str | None) -> dict:
+def run_clients(url: str, model: str, clients: int, bench: ServeBench, key: str | None) -> Level:
     timings: list[TurnTiming] = []
     errors: list[str] = []
     lock = threading.Lock()
@@ -129,6 +331,8 @@ def run_clients(url: str, model: str, clients: int, bench: ServeBench, key: str 
                 return
             with lock:
                 timings.append(timing)
+                if timing.error is not None and timing.status != 429:
+                    errors.append(timing.error)
             if timing.status != 200:
                 return
             messages.append({"role": "assistant", "content": reply})
@@ -143,15 +347,15 @@ def run_clients(url: str, model: str, clients: int, bench: ServeBench, key: str 
     ok = [t for t in timings if t.status == 200]
     ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
     tpot = [t.tpot_ms for t in ok if t.tpot_ms is not None]
+    rates = [(t.completion_tokens - 1) / (t.decoding[1] - t.decoding[0]) for t in ok
+             if t.decoding is not None and t.decoding[1] > t.decoding[0]]
     tokens = sum(t.completion_tokens for t in ok)
-    return {"clients": clients, "turns": len(ok), "wall_s": round(wall, 2), "completion_tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 2) if wall else None,
-            "decode_tokens_per_s": decode_rate(ok),
-            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p95": _pct(ttft, 95),
-            "tpot_ms_p50": _pct(tpot, 50), "tpot_ms_p95": _pct(tpot, 95),
-            "status_429": sum(t.status == 429 for t in timings),
-            "errors": len(errors) + sum(t.status not in (200, 429) for t in timings), "error_samples": errors[:3],
-            "per_turn": [asdict(t) for t in timings]}
+    return Level(clients, len(ok), round(wall, 2), tokens, round(tokens / wall, 2) if wall else None, decode_rate(ok),
+                 _pct(ttft, 50), _pct(ttft, 95), _pct(tpot, 50), _pct(tpot, 95),
+                 _pct([t.ttft_ms for t in ok if t.turn == 1 and t.ttft_ms is not None], 50),
+                 _pct([t.ttft_ms for t in ok if t.turn > 1 and t.ttft_ms is not None], 50),
+                 _pct(rates, 50, 2), sum(t.status == 429 for t in timings),
+                 len(errors), errors[:3], timings)
 
 
 def decode_rate(turns: list[TurnTiming]) -> float | None:
@@ -171,12 +375,12 @@ def decode_rate(turns: list[TurnTiming]) -> float | None:
     return round(tokens / busy, 2) if busy else None
 
 
-def _pct(values: list[float], q: int) -> float | None:
+def _pct(values: list[float], q: int, digits: int = 1) -> float | None:
     if not values:
         return None
     if len(values) == 1:
-        return round(values[0], 1)
-    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], 1)
+        return round(values[0], digits)
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1], digits)
 
 
 @dataclass
@@ -193,16 +397,39 @@ class ServeBench:
     budget: int = 512
     packed: tuple[bool, ...] = (False,)  # servers with and/or without packed linear weights (snapkv_sessions.packed)
     document_tokens: int = 0  # each client's first message starts with a document of about this many tokens
+    budgets: tuple[float | str, ...] = ()  # one server per value: "full" or a budget ratio; (): ``budget``/``policy``
+    against: tuple[Target, ...] = ()  # other OpenAI-compatible servers, run after ours with the same workload
+    ours: bool = True  # False: only the ``against`` servers
 
-    def sessions_policy(self) -> str | dict:
-        """The servers' policy: ``policy`` when given, else ``budget`` with a 16-token window."""
-        return self.policy or {"compression": {"budget": self.budget, "window": 16}}
+    def sessions_policy(self, budget: float | str | None = None) -> str | dict:
+        """The servers' policy: ``policy`` when given, else ``budget`` with a 16-token window; with ``budget``
+        (one of ``budgets``), that policy with its compression budget replaced: ``"full"`` keeps every token and
+        never compresses (nor runs drift or the tier), a ratio is ``compression.budget_ratio`` (with
+        ``pin_overflow: grow``: a short turn's share may be smaller than its pins)."""
+        if budget is None:
+            return self.policy or {"compression": {"budget": self.budget, "window": 16}}
+        from ..policy import Policy
+
+        base = Policy.load(self.policy).model_dump(mode="json") if self.policy else {"compression": {"window": 16}}
+        comp = {**base["compression"], "budget": None, "budget_ratio": None}
+        if budget == "full":
+            data = {**base, "name": "full", "compression": {**comp, "budget": FULL_BUDGET}, "min_prompt_tokens": NEVER,
+                    "drift": {**base.get("drift", {}), "embedder": "none"},
+                    "memory": {**(base.get("memory") or {}), "cold": False}}
+        else:
+            # a short turn's share can be smaller than its pins: the budget grows to them (as rag-qa's does)
+            data = {**base, "name": f"ratio-{budget}",
+                    "compression": {**comp, "budget_ratio": float(budget), "pin_overflow": "grow"}}
+        return Policy.from_dict(data).model_dump(mode="json")  # checked here, before any server starts
+
+    def budget_label(self) -> Budget:
+        return "policy" if self.policy else self.budget
 
 
-def launch(bench: ServeBench, folder: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """:func:`start_server` with the bench's model and policy (a policy given as a mapping is written to a file in
-    ``folder`` first) and ``args``."""
-    policy = bench.sessions_policy()
+def launch(bench: ServeBench, folder: Path, *args: str, budget: float | str | None = None) -> tuple[subprocess.Popen, str]:
+    """:func:`start_server` with the bench's model and policy (at ``budget``, one of ``bench.budgets``; a policy
+    given as a mapping is written to a file in ``folder`` first) and ``args``."""
+    policy = bench.sessions_policy(budget)
     if isinstance(policy, dict):
         path = folder / "policy.json"
         path.write_text(json.dumps(policy))
@@ -210,64 +437,120 @@ def launch(bench: ServeBench, folder: Path, *args: str) -> tuple[subprocess.Pope
     return start_server(bench.model, folder, "--policy", policy, *args)
 
 
+def against_targets(urls: list[str], models: list[str], pids: list[int], key: str | None,
+                    allow_remote: bool = False) -> tuple[Target, ...]:
+    """The ``--against`` servers: each URL checked (loopback unless ``allow_remote``) and asked for its model id
+    unless ``models`` gives it (by position, as ``pids`` gives the process whose RSS is read). A server that does
+    not answer is an :class:`EndpointError` before anything runs."""
+    if len(models) > len(urls) or len(pids) > len(urls):
+        raise ConfigError("against", urls, f"{len(models)} --against-model and {len(pids)} --against-pid values "
+                                           f"for {len(urls)} --against servers: give at most one each per server")
+    out = []
+    for i, raw in enumerate(urls):
+        url = check_url(raw, allow_remote, param="against")
+        hint = f"is the server at --against {url[:200]} running? (or give --against-model)"
+        if i < len(models) and models[i]:
+            model = models[i]
+            try:  # it must answer; a server without GET /models is fine when the model id is given
+                httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+            except httpx.HTTPError as exc:
+                raise EndpointError(f"against={url[:200]!r}: no answer ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    f"is that server running?") from None
+        else:
+            model = served_model(url, key, hint=hint)
+        out.append(Target("against", url, model, key, pids[i] if i < len(pids) else None))
+    return tuple(out)
+
+
 def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, log=print) -> dict:
-    """Every level against a server started per ``bench.batches`` value (or against ``base_url``), side by side
-    in one run; each row says its batch setting, and ``speedup`` is its tokens/s over the unbatched row's."""
+    """Every level against each of our servers (one per ``bench.batches`` value, packed setting and budget, or
+    ``base_url``), then against each ``bench.against`` server, side by side in one run."""
+    budgets = bench.budgets or (None,)
+    ours = [] if not bench.ours else [Target("ours", base_url, bench.model, key)] if base_url else [
+        Target("ours", batch=b, packed=p, budget=bench.budget_label() if x is None else x)
+        for x in budgets for p in bench.packed for b in bench.batches]
+    runs = [_one_server(bench, t, log) for t in (*ours, *bench.against)]
     rows, per_turn = [], {}
-    servers = [(None, False)] if base_url else [(b, p) for p in bench.packed for b in bench.batches]
-    for server in servers:
-        got, turns = _one_server(bench, server, base_url, key, log)
-        rows += got
-        per_turn.update(turns)
-    # the baseline: one turn at a time, unpacked when that ran (the default server), else packed
+    for r in runs:
+        for lv in r.levels:
+            rows.append({"server": r.target.label, "kind": r.target.kind, "batch": r.target.batch,
+                         "packed": r.target.packed, "budget": r.target.budget, **lv.to_json()})
+            per_turn[f"{r.target.label},N={lv.clients}"] = [asdict(t) for t in lv.per_turn]
+    # the baseline: our server at one turn at a time and the same budget, unpacked when that ran, else packed
     serial = {}
-    for r in sorted(rows, key=lambda r: r["packed"], reverse=True):
+    for r in sorted((r for r in rows if r["kind"] == "ours"), key=lambda r: r["packed"], reverse=True):
         if r["batch"] == 0:
-            serial[r["clients"]] = r
+            serial[(r["budget"], r["clients"])] = r
     for r in rows:
-        base = serial.get(r["clients"], {})
-        for key, ratio in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
-            r[ratio] = round(r[key] / base[key], 2) if base.get(key) and r[key] else None
+        base = serial.get((r["budget"], r["clients"]), {}) if r["kind"] == "ours" else {}
+        for name, ratio in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
+            r[ratio] = round(r[name] / base[name], 2) if base.get(name) and r[name] else None
+    theirs = [r for r in runs if r.target.kind == "against"]
+    ratios = [Ratios.of(a, b) for a in runs if a.target.kind == "ours" for b in theirs]
     return {"benchmark": "serve", "model": bench.model, "turns_per_client": bench.turns, "max_tokens": bench.max_tokens,
             "max_queue": bench.max_queue, "policy": bench.sessions_policy(),
-            "packed": list(bench.packed), "document_tokens": bench.document_tokens,
+            "budgets": list(bench.budgets), "packed": list(bench.packed), "document_tokens": bench.document_tokens,
+            "servers": [r.to_json() for r in runs], "ratios": [asdict(x) for x in ratios],
             "levels": rows, "turns": per_turn}
 
 
-def _one_server(bench: ServeBench, server: tuple[int | None, bool], base_url: str | None, key: str | None,
-                log) -> tuple[list[dict], dict]:
-    batch, packed = server
-    proc, folder = None, Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
-    url = base_url
-    if url is None:
-        proc, url = launch(bench, folder, "--max-queue", str(bench.max_queue), "--batch", str(batch),
-                           *(["--packed-weights"] if packed else []))
-    rows, per_turn = [], {}
+def _one_server(bench: ServeBench, target: Target, log) -> ServerRun:
+    proc, url, model, pid = None, target.url, target.model or bench.model, target.pid
+    if target.kind == "ours" and url is None:
+        folder = Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
+        proc, url = launch(bench, folder, "--max-queue", str(bench.max_queue), "--batch", str(target.batch),
+                           *(["--packed-weights"] if target.packed else []),
+                           budget=None if not bench.budgets else target.budget)
+        pid = proc.pid
+    levels = []
     try:
-        stream_turn(url, bench.model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, key)  # load, first forward
+        stream_turn(url, model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, target.key)  # load, first forward
         for n in bench.levels:
-            row = {"batch": batch, "packed": packed,
-                   **run_clients(url, bench.model, n, bench, key)}
-            per_turn[f"batch={batch},packed={packed},N={n}"] = row.pop("per_turn")
-            log(f"batch={batch} packed={packed} N={n}: {row['tokens_per_s']} tok/s, TTFT p50 {row['ttft_ms_p50']} ms, "
-                f"TPOT p50/p95 {row['tpot_ms_p50']}/{row['tpot_ms_p95']} ms, 429s {row['status_429']}, "
-                f"errors {row['errors']}")
-            rows.append(row)
+            lv = run_clients(url, model, n, bench, target.key)
+            lv.rss_bytes = tree_rss_bytes(pid) if pid else None
+            log(f"{target.label} N={n}: {lv.tokens_per_s} tok/s, TTFT p50 {lv.ttft_ms_p50} ms "
+                f"(first/later turns {lv.ttft_first_ms_p50}/{lv.ttft_later_ms_p50}), TPOT p50/p95 "
+                f"{lv.tpot_ms_p50}/{lv.tpot_ms_p95} ms, 429s {lv.status_429}, errors {lv.errors}")
+            levels.append(lv)
+    except httpx.HTTPError as exc:
+        raise EndpointError(f"{target.label[:240]}: {type(exc).__name__}: {str(exc)[:200]}") from None
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    return rows, per_turn
+    return ServerRun(target, levels)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
 
 
 def table(result: dict) -> str:
-    head = (f"{'batch':>5} {'packed':>6} {'N':>3} {'turns':>5} {'tok/s':>7} {'x':>5} {'decode/s':>8} {'x':>5} "
-            f"{'TTFT p50':>9} {'TTFT p95':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'429':>4} {'errors':>6}")
-    lines = [head, "-" * len(head)]
-    for r in result["levels"]:
-        lines.append(f"{r['batch']!s:>5} {'yes' if r['packed'] else 'no':>6} {r['clients']:>3} {r['turns']:>5} "
-                     f"{r['tokens_per_s']!s:>7} {r['speedup']!s:>5} {r['decode_tokens_per_s']!s:>8} "
-                     f"{r['decode_speedup']!s:>5} "
-                     f"{r['ttft_ms_p50']!s:>9} {r['ttft_ms_p95']!s:>9} {r['tpot_ms_p50']!s:>9} "
-                     f"{r['tpot_ms_p95']!s:>9} {r['status_429']:>4} {r['errors']:>6}")
-    return "\n".join(lines)
+    head = (f"{'batch':>5} {'packed':>6} {'budget':>6} {'N':>3} {'turns':>5} {'tok/s':>7} {'x':>5} {'decode/s':>8} "
+            f"{'x':>5} {'TTFT p50':>9} {'1st':>9} {'later':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'429':>4} "
+            f"{'errors':>6}")
+    lines = []
+    for server in result.get("servers") or [{"server": None}]:
+        if server["server"] is not None:
+            lines += ["", f"{server['server']}: TTFT p50 first/later turns {server['ttft_first_ms_p50']}/"
+                          f"{server['ttft_later_ms_p50']} ms, decode {server['stream_decode_tokens_per_s']} tok/s "
+                          f"per stream (N={server['at_clients']}), RSS {_mib(server['rss_bytes'])} MiB"]
+        lines += [head, "-" * len(head)]
+        for r in result["levels"]:
+            if server["server"] is not None and r.get("server") != server["server"]:
+                continue
+            c = {k: "-" if v is None else str(v) for k, v in r.items()}
+            packed = "-" if r.get("kind") == "against" else "yes" if r["packed"] else "no"
+            lines.append(f"{c['batch']:>5} {packed:>6} {c.get('budget', '-'):>6} "
+                         f"{r['clients']:>3} {r['turns']:>5} {c['tokens_per_s']:>7} {c['speedup']:>5} "
+                         f"{c['decode_tokens_per_s']:>8} {c['decode_speedup']:>5} {c['ttft_ms_p50']:>9} "
+                         f"{c.get('ttft_first_ms_p50', '-'):>9} {c.get('ttft_later_ms_p50', '-'):>9} "
+                         f"{c['tpot_ms_p50']:>9} {c['tpot_ms_p95']:>9} {r['status_429']:>4} {r['errors']:>6}")
+    if result.get("ratios"):
+        ns = sorted({n for x in result["ratios"] for n in x["tokens_per_s"]}, key=int)
+        lines += ["", "ours / theirs: TTFT first, later turns, decode per stream, "
+                      + ", ".join(f"tok/s N={n}" for n in ns) + ", RSS"]
+        for x in result["ratios"]:
+            lines.append(f"{x['ours']} / {x['theirs']}: {x['ttft_first']} {x['ttft_later']} {x['stream_decode']} "
+                         + " ".join(str(x["tokens_per_s"].get(n)) for n in ns) + f" {x['rss']}")
+    return "\n".join(lines).lstrip("\n")

@@ -230,6 +230,9 @@ def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_jso
 @click.option("--batch", "batches", default="0,8", show_default=True,
               help="Servers to compare, one per value: decode slots (0: one turn at a time).")
 @click.option("--budget", default=512, show_default=True, help="KV budget of the sessions (without --policy).")
+@click.option("--budgets", default=None,
+              help="Our servers at several budgets side by side, e.g. full,0.5,0.2: 'full' (no compression) or "
+                   "budget ratios in (0, 1] (compression.budget_ratio, replacing --budget or the policy's budget).")
 @click.option("--packed-weights", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="Servers with packed linear weights (serve --packed-weights), without, or both side by side.")
 @click.option("--document-tokens", default=0, show_default=True,
@@ -238,22 +241,75 @@ def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_jso
 @click.option("--policy", default=None, help="Policy for the server's sessions (name or YAML path).")
 @click.option("--base-url", default=None, help="A running server (default: start one on a free loopback port).")
 @click.option("--api-key", default=None, help="Bearer key for a running server.")
+@click.option("--against", "against", multiple=True,
+              help="Another OpenAI-compatible server's base URL (vLLM, SGLang, llama.cpp), e.g. "
+                   "http://127.0.0.1:8001/v1: the same workload runs against it after ours (repeatable, or commas).")
+@click.option("--against-model", "against_models", multiple=True,
+              help="The model id each --against server expects, by position (default: its GET /v1/models' first).")
+@click.option("--against-key", default=None, help="Bearer key for the --against servers.")
+@click.option("--against-pid", "against_pids", multiple=True,
+              help="The process id of each --against server, by position: its process tree's RSS is read.")
+@click.option("--against-only", is_flag=True, help="Run only the --against servers, none of ours.")
+@click.option("--allow-remote", is_flag=True, help="Allow an --against server that is not on 127.0.0.1, ::1 or localhost.")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_serve(model, clients, turns, max_tokens, batches, budget, packed_weights, document_tokens, max_queue, policy,
-                base_url, api_key, out, as_json) -> None:
-    """N concurrent multi-turn clients against the server, batched and not: tokens/s (and the ratio), TTFT and
-    TPOT p50/p95, 429s, errors."""
+def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, packed_weights, document_tokens, max_queue,
+                policy, base_url, api_key, against, against_models, against_key, against_pids, against_only,
+                allow_remote, out, as_json) -> None:
+    """N concurrent multi-turn clients against the server, batched and not, at several budgets, and against other
+    OpenAI-compatible servers: tokens/s (and the ratios), TTFT first and later turns, TPOT p50/p95, RSS, errors."""
     from ..bench import serve as serve_bench
+    from ..errors import ConfigError, bounded_repr
 
+    urls = _split(against)
+    if against_only and not urls:
+        raise click.BadParameter("give at least one --against server", param_hint="--against-only")
+    if budgets is not None and base_url:
+        raise click.BadParameter(f"{budgets[:80]!r}: a running server's budget is its own; leave out --base-url",
+                                 param_hint="--budgets")
+    try:
+        pids = [int(p) for p in _split(against_pids)]
+    except ValueError:
+        raise click.BadParameter(f"{bounded_repr(against_pids)}: give process ids", param_hint="--against-pid") from None
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
                                   tuple(_int_list("batch", batches)), max_queue, policy, budget,
                                   {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
-                                  max(0, document_tokens))
+                                  max(0, document_tokens), _budget_list(budgets) if budgets is not None else (),
+                                  ours=not against_only)
+    if spec.budgets:
+        for b in spec.budgets:  # a policy these budgets cannot make is refused before any server starts
+            spec.sessions_policy(b)
+    try:
+        spec.against = serve_bench.against_targets(urls, _split(against_models), pids, against_key, allow_remote)
+    except ConfigError as exc:
+        raise click.BadParameter(f"{bounded_repr(exc.value)}: {exc.reason}", param_hint="--against") from None
     result = serve_bench.run(spec, base_url, api_key, log=log)
     _emit(result, out, as_json, serve_bench.table, bulky="turns")
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    """A repeatable option's values, each of which may be a comma list, in order."""
+    return [v.strip() for text in values for v in text.split(",") if v.strip()]
+
+
+def _budget_list(text: str) -> tuple[float | str, ...]:
+    out: list[float | str] = []
+    for v in (x.strip() for x in text.split(",") if x.strip()):
+        if v.lower() == "full":
+            out.append("full")
+            continue
+        try:
+            ratio = float(v)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 < ratio <= 1.0:
+            raise click.BadParameter(f"{v[:80]!r}: give 'full' or budget ratios in (0, 1]", param_hint="--budgets")
+        out.append(ratio)
+    if not out:
+        raise click.BadParameter(f"{text[:80]!r}: give 'full' or budget ratios in (0, 1]", param_hint="--budgets")
+    return tuple(out)
 
 
 @bench.command("ray")
