@@ -35,7 +35,8 @@ class Server:
         self.db = tmp / "sessions.db"
         policy = tmp / "policy.json"
         policy.write_text(json.dumps(POLICY))
-        self.proc, self.url = start_server(MODEL, tmp, "--policy", str(policy), "--max-tokens", "12", *args,
+        self.proc, self.url = start_server(MODEL, tmp, "--policy", str(policy), "--max-tokens", "12",
+                                           "--warm-tokens", "64", *args,  # a short warm start: still run, cheaply
                                            wait_s=180)
 
     @staticmethod
