@@ -132,3 +132,26 @@ def run_in_threads(fn, keys, timeout_s: float = 600.0) -> dict:
         raise AssertionError(f"{len(errors)} of {len(threads)} threads failed") from errors[0]
     assert not any(t.is_alive() for t in threads), f"a thread was still running after {timeout_s} s"
     return results
+
+
+# A word-level tokenizer for the tiny models: RULER-sized vocabulary, a minimal chat template (torch-free).
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+WORDS = ("the special magic number for is hidden within following text what are all mentioned in provided variable "
+         "question answer find assigned value of grass green sky blue sun yellow here we go there and back again "
+         "var memorize track chain a an to it you will quiz about afterwards . , : = ? ! ( ) -").split()
+
+
+def word_tokenizer():
+    """A word-level tokenizer of 90 entries (unknown words are one [UNK]) with a minimal chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(specials + WORDS))}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.add_special_tokens(specials)
+    assert len(vocab) <= 96  # the tiny models' vocabulary
+    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                   chat_template=TEMPLATE)

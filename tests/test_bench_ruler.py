@@ -13,28 +13,7 @@ from click.testing import CliRunner  # noqa: E402
 from snapkv_sessions.bench import ruler  # noqa: E402
 from snapkv_sessions.bench import ruler_data as rd  # noqa: E402
 from snapkv_sessions.cli import main  # noqa: E402
-from tests.conftest import build_tiny  # noqa: E402
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-WORDS = ("the special magic number for is hidden within following text what are all mentioned in provided variable "
-         "question answer find assigned value of grass green sky blue sun yellow here we go there and back again "
-         "var memorize track chain a an to it you will quiz about afterwards . , : = ? ! ( ) -").split()
-
-
-def word_tokenizer():
-    """A word-level tokenizer of 90 entries (unknown words are one [UNK]) with a minimal chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
-    vocab = {w: i for i, w in enumerate(dict.fromkeys(specials + WORDS))}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    inner.add_special_tokens(specials)
-    assert len(vocab) <= 96  # the tiny models' vocabulary
-    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
-                                   chat_template=TEMPLATE)
+from tests.conftest import build_tiny, word_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from snapkv_sessions.bench import ruler_data as rd  # noqa: E402
 from snapkv_sessions.bench.ruler import load_rows  # noqa: E402
 from snapkv_sessions.cli import main  # noqa: E402
 from snapkv_sessions.errors import ConfigError  # noqa: E402
-from tests.conftest import build_tiny  # noqa: E402
-from tests.test_bench_ruler import word_tokenizer  # noqa: E402
+from tests.conftest import build_tiny, word_tokenizer  # noqa: E402
 
 POLICY = {"compression": {"budget": 256, "window": 16}, "drift": {"embedder": "none"}}
 

@@ -184,9 +184,7 @@ def test_tree_rss_counts_the_children():
 
 @pytest.mark.slow
 def test_ours_at_two_budgets_beside_another_server(tmp_path):
-    pytest.importorskip("long_context_eval", reason="the tiny word-level tokenizer lives in test_bench_ruler")
-    from tests.conftest import build_tiny
-    from tests.test_bench_ruler import word_tokenizer
+    from tests.conftest import build_tiny, word_tokenizer
 
     folder = tmp_path / "model"
     build_tiny("llama").save_pretrained(folder)

@@ -56,9 +56,9 @@ def test_the_server_serves_its_name_and_stores_its_dtype(tmp_path):
 
     from snapkv_sessions.serve import Service, protocol
     from snapkv_sessions.store import SessionStore
-    from tests.conftest import build_tiny
+    from tests.conftest import build_tiny, word_tokenizer
 
-    tok = _tiny_tokenizer()
+    tok = word_tokenizer()
     model = build_tiny("qwen2").to(torch.bfloat16)
     model.config._name_or_path = "tiny"
     service = Service((model, tok), {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}},
@@ -72,22 +72,6 @@ def test_the_server_serves_its_name_and_stores_its_dtype(tmp_path):
                                                                                                 "content": "hi"}]})
     with pytest.raises(ConfigError, match="serves 'tiny' only"):
         service.prepare(req, None, None)
-
-
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers import models as tmodels
-    from transformers import PreTrainedTokenizerFast
-
-    words = "hi there the a is what".split()
-    specials = ["<unk>", "<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
-    inner = Tokenizer(tmodels.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
-    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    inner.add_special_tokens(specials)
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
-                                   chat_template=template)
 
 
 @pytest.mark.bundle

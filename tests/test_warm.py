@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from snapkv_sessions.cli import main
 from snapkv_sessions.errors import ConfigError
 from snapkv_sessions.serve.warm import MAX_WARM_TOKENS, document
-from tests.test_dtype import _tiny_tokenizer
+from tests.conftest import word_tokenizer
 
 POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
 
@@ -22,7 +22,7 @@ def _service(tmp_path, batch: int):
 
     model = build_tiny("qwen2")
     model.config._name_or_path = "tiny"
-    return Service((model, _tiny_tokenizer()), POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
+    return Service((model, word_tokenizer()), POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
                    Capacity(batch=batch))
 
 
@@ -43,7 +43,7 @@ def test_the_warm_start_serves_two_turns_and_stores_nothing(tmp_path, monkeypatc
 
 
 def test_the_document_never_exceeds_its_tokens():
-    tok = _tiny_tokenizer()
+    tok = word_tokenizer()
     for n in (1, 10, 97):
         text = document(tok, n)
         assert len(tok(text, add_special_tokens=False)["input_ids"]) <= n
