@@ -21,7 +21,7 @@ from .errors import ConfigError, bounded_repr
 BUILTIN_SCORERS = ("snapkv", "streaming")  # registered by snapkv_sessions.scorers when it is imported
 
 
-BUILTIN_SELECTORS = ("exact", "sparq", "pages")  # registered by snapkv_sessions.recall when it is imported
+BUILTIN_SELECTORS = ("exact", "sparq", "pages", "lowrank")  # registered by snapkv_sessions.recall when it is imported
 
 
 def registered_selectors() -> tuple[str, ...]:
@@ -246,11 +246,14 @@ class RecallConfig(_Settings):
     selector:
         How the slots are chosen, a key in :data:`snapkv_sessions.recall.SELECTORS`: ``"exact"`` (every cold key
         scored), ``"sparq"`` (the ``channels`` largest components of ``|q|``), ``"pages"`` (Quest's per-page
-        key bounds, pages of ``page`` slots recalled whole).
+        key bounds, pages of ``page`` slots recalled whole), ``"lowrank"`` (a rank-``rank`` fit of the cold keys
+        before RoPE, after ShadowKV).
     channels:
         SparQ's r.
     page:
         Quest's page size, in slots.
+    rank:
+        The low-rank selector's rank (at most the head dimension).
     """
 
     budget: int | None = None
@@ -258,6 +261,7 @@ class RecallConfig(_Settings):
     selector: str = "exact"
     channels: int = 16
     page: int = 16
+    rank: int = 16
 
     @field_validator("selector")
     @classmethod
@@ -279,6 +283,8 @@ class RecallConfig(_Settings):
             raise ValueError(f"channels={self.channels} must be >= 1")
         if self.page < 1:
             raise ValueError(f"page={self.page} must be >= 1")
+        if self.rank < 1:
+            raise ValueError(f"rank={self.rank} must be >= 1")
         return self
 
     def slots(self, context: int) -> int:

@@ -250,6 +250,7 @@ _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("compression", "span_unit"): "word",
     ("drift", "follow_ups"): None,
     ("memory", "recall"): None,
+    ("memory", "recall", "rank"): 16,
 }
 
 

@@ -18,7 +18,13 @@ Selectors, by registry key (:func:`register_selector` adds one):
   Inference", arXiv:2406.10774): the cold slots of each head in pages of ``page`` consecutive slots, each page
   summarised by its keys' per-channel min and max; a page's bound ``sum_d max(q_d min_d, q_d max_d)`` ranks it
   and the best ``ceil(k / page)`` pages come back whole (the summary is ``2 / page`` of the cold keys: what
-  would stay on a device while the tier stays on the host).
+  would stay on a device while the tier stays on the host);
+* ``"lowrank"``: ShadowKV's observation (Sun et al., 2024, "ShadowKV: KV Cache in Shadows for High-Throughput
+  Long-Context LLM Inference", arXiv:2410.21465) that a head's keys before RoPE are close to low rank: per cold
+  layer and turn, the cold keys with their rotation undone (:class:`~snapkv_sessions.rotary.Rotary`) are fitted
+  by a rank-``rank`` SVD, ``A (C, r) @ V (r, D)``; each step rebuilds the approximate keys from it, rotates them
+  back to their true positions and scores the query on them, then attends to the top ``k`` exactly (the summary
+  is ``r / D`` of the cold keys plus ``r x D`` per head: the compact one that ranks well).
 
 Where the bytes live: on a CPU the tier is host memory and a recall is a direct gather. On CUDA the cold part
 is page-locked host memory; this module gathers it where it lies (the device copy of recalled pages, and a
@@ -35,12 +41,14 @@ import torch
 
 from .config import BUILTIN_SELECTORS, RecallConfig
 from .errors import ConfigError
+from .rotary import Rotary
 
 
 class Selector(Protocol):
     """Chooses, for one layer's decode step, the cold slots each KV head recalls."""
 
-    def choose(self, query: torch.Tensor, keys: torch.Tensor, real: torch.Tensor | None, k: int) -> torch.Tensor:
+    def choose(self, query: torch.Tensor, keys: torch.Tensor, real: torch.Tensor | None, k: int,
+               positions: torch.Tensor) -> torch.Tensor:
         """Slots to recall.
 
         Parameters
@@ -49,6 +57,7 @@ class Selector(Protocol):
         keys : (B, Hkv, C, D) the layer's cold keys (post-RoPE)
         real : (B, Hkv, C) bool, False at padding slots of heads keeping uneven counts (never recalled), or None
         k : slots to recall per head, 1 <= k <= C
+        positions : (B, Hkv, C) long, each cold slot's true position
 
         Returns
         -------
@@ -79,7 +88,7 @@ def _top(scores: torch.Tensor, real: torch.Tensor | None, k: int) -> tuple[torch
 class Exact:
     """Every cold key scored by the step's query: the reference selector."""
 
-    def choose(self, query, keys, real, k):
+    def choose(self, query, keys, real, k, positions):
         scores = torch.einsum("bhgd,bhcd->bhgc", query, keys.to(query.dtype)).amax(dim=2)  # (B, Hkv, C)
         return _top(scores, real, k)
 
@@ -96,7 +105,7 @@ class SparQ:
 
     channels: int = 16
 
-    def choose(self, query, keys, real, k):
+    def choose(self, query, keys, real, k, positions):
         r = min(self.channels, query.shape[-1])
         dims = query.abs().sum(dim=2).topk(r, dim=-1).indices  # (B, Hkv, r) the head's strongest channels
         q_r = query.gather(-1, dims[:, :, None].expand(-1, -1, query.shape[2], -1))  # (B, Hkv, G, r)
@@ -141,7 +150,7 @@ class Pages:
         self._memo.append((keys, low, high))
         return low, high
 
-    def choose(self, query, keys, real, k):
+    def choose(self, query, keys, real, k, positions):
         low, high = self.bounds(keys, real)  # (B, Hkv, Np, D)
         q = query.float()[:, :, :, None]  # (B, Hkv, G, 1, D)
         bound = torch.maximum(q * low[:, :, None], q * high[:, :, None]).sum(-1).amax(dim=2)  # (B, Hkv, Np)
@@ -164,12 +173,60 @@ class Pages:
         return self.summary_bytes(keys)
 
 
-SelectorFactory = Callable[[RecallConfig], Selector]
+@dataclass
+class LowRank:
+    """A rank-``rank`` SVD of each head's cold keys before RoPE; each step scores on the keys it rebuilds."""
+
+    rank: int = 16
+    rotary: Rotary | None = None
+    # (the cold keys summarised, A, V, cos/sin at their positions); current while the keys tensor is (as Pages)
+    _memo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]] = field(default_factory=list, repr=False)
+
+    def factors(self, keys: torch.Tensor, real: torch.Tensor | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """``A`` (B, Hkv, C, r) and ``V`` (B, Hkv, r, D) with ``A @ V`` the best rank-r fit of the pre-RoPE cold
+        keys (padding slots fitted as zeros: they repeat a real slot), and the cos/sin at the slots' positions
+        (None without a rotary). Built once per cold layer and turn."""
+        for held, a, v, cos_sin in self._memo:
+            if held is keys:
+                return a, v, cos_sin
+        cos_sin = None if self.rotary is None else self.rotary.cos_sin(positions, keys.shape[-1])
+        pre = keys.float()  # (B, Hkv, C, D)
+        if cos_sin is not None:
+            pre = self.rotary.apply(pre, positions, inverse=True, cos_sin=cos_sin)
+        if real is not None:
+            pre = pre.masked_fill(~real[..., None], 0.0)
+        u, s, vh = torch.linalg.svd(pre, full_matrices=False)  # (B, Hkv, C, m), (B, Hkv, m), (B, Hkv, m, D)
+        r = min(self.rank, s.shape[-1])
+        a = u[..., :r] * s[..., None, :r]  # (B, Hkv, C, r)
+        v = vh[..., :r, :]  # (B, Hkv, r, D)
+        self._memo.append((keys, a, v, cos_sin))
+        return a, v, cos_sin
+
+    def choose(self, query, keys, real, k, positions):
+        a, v, cos_sin = self.factors(keys, real, positions)
+        approx = a @ v  # (B, Hkv, C, D) the pre-RoPE keys, rebuilt
+        if cos_sin is not None:
+            approx = self.rotary.apply(approx, positions, cos_sin=cos_sin)  # (B, Hkv, C, D) at their positions
+        scores = torch.einsum("bhgd,bhcd->bhgc", query.float(), approx).amax(dim=2)  # (B, Hkv, C)
+        return _top(scores, real, k)
+
+    def summary_bytes(self, keys: torch.Tensor) -> int:
+        bsz, heads, cold, dim = keys.shape
+        r = min(self.rank, cold, dim)
+        return bsz * heads * (cold * r + r * dim) * keys.element_size()  # A and V, in the cache's dtype
+
+    def read_bytes(self, keys: torch.Tensor, k: int) -> int:
+        return self.summary_bytes(keys)
+
+
+SelectorFactory = Callable[[RecallConfig, Rotary | None], Selector]
 SELECTORS: dict[str, SelectorFactory] = {}
 
 
 def register_selector(name: str, factory: SelectorFactory, *, replace: bool = False) -> None:
-    """Make ``memory.recall.selector: name`` build ``factory(recall_config)``."""
+    """Make ``memory.recall.selector: name`` build ``factory(recall_config, rotary)`` (``rotary``: the model's
+    :class:`~snapkv_sessions.rotary.Rotary`, or None)."""
     if not name or not isinstance(name, str):
         raise ConfigError("memory.recall.selector", name, "a selector key must be a non-empty string")
     if name in SELECTORS and not replace:
@@ -177,12 +234,13 @@ def register_selector(name: str, factory: SelectorFactory, *, replace: bool = Fa
     SELECTORS[name] = factory
 
 
-register_selector("exact", lambda cfg: Exact())
-register_selector("sparq", lambda cfg: SparQ(cfg.channels))
-register_selector("pages", lambda cfg: Pages(cfg.page))
+register_selector("exact", lambda cfg, rotary: Exact())
+register_selector("sparq", lambda cfg, rotary: SparQ(cfg.channels))
+register_selector("pages", lambda cfg, rotary: Pages(cfg.page))
+register_selector("lowrank", lambda cfg, rotary: LowRank(cfg.rank, rotary))
 assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
 
-__all__ = ["SELECTORS", "BatchRecall", "Exact", "Pages", "Recall", "RecallConfig", "RecallStats", "SparQ",
+__all__ = ["SELECTORS", "BatchRecall", "Exact", "LowRank", "Pages", "Recall", "RecallConfig", "RecallStats", "SparQ",
            "register_selector"]
 
 
@@ -226,9 +284,9 @@ class Recall:
     where a head attends to fewer.
     """
 
-    def __init__(self, cfg: RecallConfig, cold, stats: RecallStats) -> None:
+    def __init__(self, cfg: RecallConfig, cold, stats: RecallStats, rotary: Rotary | None = None) -> None:
         self.cfg, self.cold, self.stats = cfg, cold, stats
-        self.selector = SELECTORS[cfg.selector](cfg)
+        self.selector = SELECTORS[cfg.selector](cfg, rotary)
         self.context = 0  # true positions at this step (set by the cache before each step)
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
@@ -266,14 +324,15 @@ class Recall:
         heads = keys.shape[1]
         grouped = query.view(bsz, heads, n_q // heads, dim)  # (B, Hkv, G, D)
         cold_keys = keys.to(query.device)
-        idx, attend = self.selector.choose(grouped, cold_keys, None if part.real is None else part.real.to(query.device), k)
+        real = None if part.real is None else part.real.to(query.device)
+        positions = part.positions.to(query.device)  # (B, Hkv, C)
+        idx, attend = self.selector.choose(grouped, cold_keys, real, k, positions)
         rows = idx[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, K, D)
         rec_k = cold_keys.gather(2, rows).to(query.dtype)  # (B, Hkv, K, D)
         rec_v = values.to(query.device).gather(2, rows).to(query.dtype)
         self._account(layer, part, idx, attend, cold_keys, k)
         if self.observer is not None:
-            positions = part.positions.to(query.device).gather(-1, idx).masked_fill(~attend, -1)  # (B, Hkv, K)
-            self.observer(layer, positions)
+            self.observer(layer, positions.gather(-1, idx).masked_fill(~attend, -1))  # (B, Hkv, K)
         return rec_k, rec_v, attend[:, :, None]  # (B, Hkv, 1, K)
 
     def _account(self, layer: int, part, idx: torch.Tensor, attend: torch.Tensor, keys: torch.Tensor, k: int) -> None:

@@ -30,6 +30,7 @@ from .errors import ConfigError
 from .generation import Decoder, GenerationConfig
 from .recall import RecallConfig
 from .report import CompressionReport
+from .rotary import Rotary
 from .state import KVState
 from .support import check_supported, fingerprint
 from .tier import TieredCache
@@ -183,6 +184,7 @@ class ModelRunner:
         cfg = model.config
         self.num_layers: int = cfg.num_hidden_layers
         self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.rotary = Rotary.of(model)  # the model's RoPE: a recall selector may summarise keys before it
         gen = getattr(model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else cfg.eos_token_id
@@ -222,7 +224,7 @@ class ModelRunner:
         if self.cache_kind == "compact":
             if not tiered:
                 return KVState(cache=CompactCache(self.num_layers))
-            cache = TieredCache(self.num_layers, recall=recall)
+            cache = TieredCache(self.num_layers, recall=recall, rotary=self.rotary)
             cache.cold.refeed_reply = refeed_reply
             return KVState(cache=cache)
         if tiered or recall is not None:

@@ -30,6 +30,7 @@ import torch
 
 from .cache import CompactCache, CompactLayer, History
 from .recall import Recall, RecallConfig, RecallStats
+from .rotary import Rotary
 
 
 @dataclass
@@ -235,10 +236,12 @@ class TieredCache(CompactCache):
 
     layer_class = TieredLayer
 
-    def __init__(self, num_layers: int, cold: ColdKV | None = None, recall: RecallConfig | None = None) -> None:
+    def __init__(self, num_layers: int, cold: ColdKV | None = None, recall: RecallConfig | None = None,
+                 rotary: Rotary | None = None) -> None:
         super().__init__(num_layers)
         self.cold: ColdKV = cold if cold is not None else ColdKV.empty(num_layers)
         self.recall_config = recall  # decode-time recall from the tier (None: decode reads the hot slots)
+        self.rotary = rotary  # the model's RoPE, for selectors that summarise keys before it
         self._recall: Recall | None = None  # the current turn's, from its prefill to the end of its decode
 
     # ------------------------------------------------------------------ the tier's standing
@@ -257,7 +260,7 @@ class TieredCache(CompactCache):
 
     def clone(self) -> TieredCache:
         """A copy of the hot slots and a tier of its own sharing the cold layers (:meth:`ColdKV.clone`)."""
-        out = TieredCache(len(self.layers), self.cold.clone(), self.recall_config)
+        out = TieredCache(len(self.layers), self.cold.clone(), self.recall_config, self.rotary)
         self._copy_into(out)
         return out
 
@@ -359,7 +362,7 @@ class TieredCache(CompactCache):
     def prefill_done(self, state) -> None:
         self.cold.decode_start = state.next_position  # the reply decode writes from here is fed again next turn
         if self.recall_config is not None:  # one Recall for the turn's decode: selector summaries are kept
-            self._recall = Recall(self.recall_config, self.cold, RecallStats())
+            self._recall = Recall(self.recall_config, self.cold, RecallStats(), self.rotary)
 
     @property
     def current_recall(self) -> Recall | None:

@@ -72,8 +72,26 @@ def test_cost_run_side_by_side(smollm2):
                                     "--cost-lengths", "200", "--steps", "2", "--dtype", "float32", "--json"])
     assert res.exit_code == 0, res.output
     cells = json.loads(res.output)["cost"]["200"]["cells"]
-    assert list(cells) == ["full", "hot0.2", "hot0.2+exact0.1", "hot0.2+sparq0.1", "hot0.2+pages0.1"]
+    assert list(cells) == ["full", "hot0.2", "hot0.2+exact0.1", "hot0.2+sparq0.1", "hot0.2+pages0.1",
+                           "hot0.2+lowrank0.1"]
     assert cells["full"]["read_vs_full"] == 1.0
     assert cells["hot0.2"]["read_vs_full"] < 0.5  # the hot cache alone reads its budget's bytes
     # exact and sparq score the cold keys themselves; pages keeps 2 / page of them
     assert 0 < cells["hot0.2+pages0.1"]["summary_bytes"] < cells["hot0.2+exact0.1"]["summary_bytes"]
+    # lowrank keeps r / D of them (16 of SmolLM2's 64 channels) and r x D per head: under half at ~160 cold slots
+    assert 0 < cells["hot0.2+lowrank0.1"]["summary_bytes"] < cells["hot0.2+exact0.1"]["summary_bytes"] / 2
+
+
+@pytest.mark.slow
+def test_selection_scores_each_choice_against_the_exact_top_k(smollm2):
+    """exact's choice is the oracle's, so it holds the same share; every share is a share; every selector is
+    scored on the same layer-steps."""
+    res = CliRunner().invoke(main, ["bench", "recall", "--model", "smollm2-135m-instruct", "--sessions", "1",
+                                    "--hots", "0.2", "--recalls", "0.1", "--cost-lengths", "", "--selection",
+                                    "--page", "8", "--max-new-tokens", "4", "--dtype", "float32", "--json"])
+    assert res.exit_code == 0, res.output
+    sel = json.loads(res.output)["selection"]
+    assert set(sel) == {"oracle", "page_oracle8", "exact", "sparq", "pages8", "lowrank", "lowrank (after RoPE)"}
+    assert sel["exact"]["mass"] == sel["oracle"]["mass"] and sel["exact"]["of_oracle"] == 1.0
+    assert len({c["layer_steps"] for c in sel.values()}) == 1 and sel["oracle"]["layer_steps"] > 0
+    assert all(0.0 < c["mass"] <= 1.0 for c in sel.values())

@@ -17,7 +17,8 @@ from snapkv_sessions.policy import Policy, PolicyError
 
 GREEDY = GenerationConfig(max_new_tokens=8, eos_token_ids=())
 HOT = CompressionConfig.make(budget=16, window=4, kernel=3)
-SELECTORS = [{"selector": "exact"}, {"selector": "sparq", "channels": 4}, {"selector": "pages", "page": 3}]
+SELECTORS = [{"selector": "exact"}, {"selector": "sparq", "channels": 4}, {"selector": "pages", "page": 3},
+             {"selector": "lowrank", "rank": 3}]
 
 
 def prompt(n: int, seed: int = 1, vocab: int = 96) -> list[int]:
@@ -138,12 +139,17 @@ def test_recall_policy_is_validated_and_off_by_default():
     assert on.sha256 != Policy.from_dict({"memory": {}}).sha256
     for bad, field in (({"ratio": 1.5}, "memory.recall.ratio"), ({"budget": 2, "ratio": 0.1}, "memory.recall"),
                        ({"ratio": 0.1, "selector": "nope"}, "memory.recall.selector"),
-                       ({"ratio": 0.1, "page": 0}, "memory.recall.page"), ({"ratio": 0.1, "x": 1}, "memory.recall.x")):
+                       ({"ratio": 0.1, "page": 0}, "memory.recall.page"), ({"ratio": 0.1, "x": 1}, "memory.recall.x"),
+                       ({"ratio": 0.1, "rank": 0}, "memory.recall.rank")):
         with pytest.raises(PolicyError) as err:
             Policy.from_dict({"memory": {"recall": bad}})
         assert err.value.param == field, (bad, err.value)
     with pytest.raises(ConfigError):
         ModelRunner(build_tiny("llama"), cache="dynamic").new_state(recall=RecallConfig.make(budget=1))
+    # the low-rank selector's rank came later: at its default a recall policy's JSON (and hash) is as before
+    assert '"rank"' not in on.canonical_json()
+    ranked = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "selector": "pages", "page": 8, "rank": 8}}})
+    assert '"rank":8' in ranked.canonical_json() and ranked.sha256 != on.sha256
 
 
 @pytest.mark.slow
@@ -205,3 +211,41 @@ def test_page_bounds_bound_every_key_of_their_page():
     padded = torch.cat([scores, scores.new_full((1, 2, 3, 5), float("-inf"))], dim=-1)  # (B, Hkv, G, 100)
     best = padded.view(1, 2, 3, 10, 10).amax(-1)  # (B, Hkv, G, pages)
     assert bool((bound >= best - 1e-5).all())
+
+
+def test_rotary_undoes_the_models_rope_on_cached_keys(tiny_kind):
+    """The cached keys with their rotation undone at their true positions equal the layer's key projection
+    before RoPE (what the low-rank selector fits)."""
+    model = build_tiny(tiny_kind, seed=6)
+    runner = ModelRunner(model)
+    assert runner.rotary is not None
+    seen: list[torch.Tensor] = []
+    hook = model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda mod, args, out: seen.append(out))
+    state = runner.new_state(tiered=True)
+    runner.prefill(state, prompt(23, seed=2), window=4)
+    hook.remove()
+    heads = runner.num_kv_heads
+    pre = seen[0].view(1, 23, heads, -1).transpose(1, 2)  # (B, Hkv, T, D) before RoPE
+    keys = state.cache.layers[1].keys[:, :, :23]  # (B, Hkv, T, D) as cached, after RoPE
+    positions = torch.arange(23).expand(1, heads, 23)  # (B, Hkv, T)
+    torch.testing.assert_close(runner.rotary.apply(keys, positions, inverse=True), pre, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(runner.rotary.apply(pre, positions), keys, rtol=1e-4, atol=1e-5)
+
+
+def test_lowrank_at_full_rank_chooses_what_exact_chooses():
+    """At rank D the fit is the keys themselves: the same slots as full dot products; a low rank differs."""
+    from snapkv_sessions.recall import Exact, LowRank
+
+    model = build_tiny("qwen2", seed=6)
+    rotary = ModelRunner(model).rotary
+    torch.manual_seed(0)
+    dim = model.config.hidden_size // model.config.num_attention_heads
+    query, keys = torch.randn(1, 2, 3, dim), torch.randn(1, 2, 60, dim)  # (B, Hkv, G, D), (B, Hkv, C, D)
+    positions = torch.arange(5, 125, 2).expand(1, 2, 60)  # (B, Hkv, C) sorted true positions, with gaps
+    real = torch.rand(1, 2, 60) > 0.1
+    ref = Exact().choose(query, keys, real, 12, positions)[0].sort(-1).values
+    full = LowRank(rank=dim, rotary=rotary).choose(query, keys, real, 12, positions)[0].sort(-1).values
+    assert torch.equal(full, ref)
+    low = LowRank(rank=1, rotary=rotary)
+    assert not torch.equal(low.choose(query, keys, real, 12, positions)[0].sort(-1).values, ref)
+    assert low.summary_bytes(keys) == 2 * (60 * 1 + 1 * dim) * 4  # A and V per head, fp32

@@ -16,15 +16,18 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..config import CompressionConfig, RecallConfig
 from ..policy import Policy
+from ..recall import SELECTORS as REGISTRY
+from ..recall import Exact, LowRank, register_selector
 from .shift import SYSTEM, make_scenario, run_session
 
-SELECTORS = ("exact", "sparq", "pages")
+SELECTORS = ("exact", "sparq", "pages", "lowrank")
 
 
 def conditions(hots: list[float], recalls: list[float], selectors: tuple[str, ...] = SELECTORS) -> dict[str, dict]:
@@ -173,4 +176,98 @@ def cost_table(cost: dict) -> str:
     for length, res in cost.items():
         for name, c in res["cells"].items():
             lines.append(f"{length:>6} {name:<22} {c['tpot_ms']:>8} {c['tpot_vs_full']:>7} {c['read_vs_full']:>11}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ how well each selector ranks
+
+
+@dataclass
+class _Capture:
+    """Chooses as ``exact`` does and keeps every ``every``-th step's inputs (query and the cold layer it scored)."""
+
+    layers: int
+    every: int = 3
+    seen: list = field(default_factory=list)
+    calls: int = 0
+
+    def choose(self, query, keys, real, k, positions):
+        if (self.calls // self.layers) % self.every == 0:
+            self.seen.append((query.float(), keys, real, positions, k))
+        self.calls += 1
+        return Exact().choose(query, keys, real, k, positions)
+
+    def summary_bytes(self, keys: torch.Tensor) -> int:
+        return Exact().summary_bytes(keys)
+
+    def read_bytes(self, keys: torch.Tensor, k: int) -> int:
+        return Exact().read_bytes(keys, k)
+
+
+def _mass(p: torch.Tensor, idx: torch.Tensor, attend: torch.Tensor) -> float:
+    """The share of the cold attention mass ``p`` (B, Hkv, G, C) on the attended slots of ``idx`` (B, Hkv, K),
+    mean over heads."""
+    chosen = torch.zeros(p.shape[0], p.shape[1], p.shape[-1], dtype=torch.bool)  # (B, Hkv, C)
+    chosen.scatter_(-1, idx, attend)
+    return float((p * chosen[:, :, None]).sum(-1).mean())
+
+
+@torch.inference_mode()
+def run_selection(runner, seeds: list[int], hot: float, ratio: float, max_new_tokens: int,
+                  selectors: dict[str, RecallConfig], every: int = 3, log=print) -> dict:
+    """How much of each decode step's cold attention each selector's choice holds, on bench shift's sessions.
+
+    The sessions run tiered at ``hot`` with exact recall of ``ratio`` of the context; at every ``every``-th decode
+    step, for every layer, the step's query and cold keys are kept, and each selector chooses its ``k`` slots
+    from them. The figure is the share of the step's attention over the cold slots (softmax over the cold slots
+    alone, averaged over the query heads) that the chosen slots hold, next to two references: the exact top-k
+    (``oracle``: the most any choice of k slots can hold, up to the group's max) and the best whole pages ranked
+    by their best exact score (``page_oracle<p>``: the most a page selector of that size can hold)."""
+    capture = _Capture(runner.num_layers, every)
+    register_selector("_capture", lambda cfg, rotary: capture, replace=True)
+    try:
+        spec = {"compression": {"budget_ratio": hot, "window": 32},
+                "memory": {"cold": True, "recall": {"ratio": ratio, "selector": "_capture"}}}
+        held: dict[str, list[float]] = {}
+        for seed in seeds:
+            capture.seen.clear()
+            capture.calls = 0
+            run_session(runner, make_scenario(seed), policy_for("selection", spec), max_new_tokens)
+            built = {name: REGISTRY[cfg.selector](cfg, runner.rotary) for name, cfg in selectors.items()}
+            for name, cfg in selectors.items():  # ShadowKV's point, measured: the same fit after RoPE
+                if cfg.selector == "lowrank" and runner.rotary is not None:
+                    built[f"{name} (after RoPE)"] = LowRank(cfg.rank, None)
+            pages = sorted({cfg.page for cfg in selectors.values() if cfg.selector == "pages"})
+            for query, keys, real, positions, k in capture.seen:
+                logits = torch.einsum("bhgd,bhcd->bhgc", query, keys.float()) / keys.shape[-1] ** 0.5  # (B, Hkv, G, C)
+                if real is not None:
+                    logits = logits.masked_fill(~real[:, :, None], float("-inf"))
+                p = logits.softmax(-1)  # (B, Hkv, G, C) attention over the cold slots alone
+                best = logits.amax(2)  # (B, Hkv, C)
+                top = best.topk(k, -1)
+                held.setdefault("oracle", []).append(_mass(p, top.indices, top.values > float("-inf")))
+                for size in pages:
+                    cold = best.shape[-1]
+                    n = -(-cold // size)
+                    padded = torch.cat([best, best.new_full((*best.shape[:2], n * size - cold), float("-inf"))], -1)
+                    rank = padded.view(*best.shape[:2], n, size).amax(-1)  # (B, Hkv, n) a page's best score
+                    chosen = rank.topk(min(-(-k // size), n), -1).indices
+                    slots = (chosen[..., None] * size + torch.arange(size)).flatten(2)  # (B, Hkv, n*size)
+                    ok = slots < cold
+                    held.setdefault(f"page_oracle{size}", []).append(_mass(p, slots.clamp(max=cold - 1), ok))
+                for name, sel in built.items():
+                    idx, attend = sel.choose(query, keys, real, k, positions)
+                    held.setdefault(name, []).append(_mass(p, idx, attend))
+            log(f"seed {seed}: {len(capture.seen)} layer-steps scored")
+    finally:
+        REGISTRY.pop("_capture", None)
+    return {name: {"mass": round(statistics.mean(v), 3), "of_oracle": round(statistics.mean(v) /
+                                                                             statistics.mean(held["oracle"]), 3),
+                   "layer_steps": len(v)} for name, v in held.items()}
+
+
+def selection_table(res: dict) -> str:
+    lines = [f"{'selector':<24} {'cold mass held':>14} {'x oracle':>9}"]
+    for name, c in res.items():
+        lines.append(f"{name:<24} {c['mass']:>14.3f} {c['of_oracle']:>9.3f}")
     return "\n".join(lines)

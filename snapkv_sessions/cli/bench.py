@@ -363,21 +363,27 @@ def _float_list(name: str, text: str) -> list[float]:
               help="Scripted bench shift sessions (10 turns each).")
 @click.option("--hots", default="0.1,0.2", show_default=True, help="Hot budget ratios.")
 @click.option("--recalls", default="0.05,0.1", show_default=True, help="Recall budgets, as shares of the context.")
-@click.option("--selectors", default="exact,sparq,pages", show_default=True, help="Recall selectors.")
+@click.option("--selectors", default="exact,sparq,pages,lowrank", show_default=True, help="Recall selectors.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--results", default=None,
               help="JSONL file: one line per session and condition, appended; a rerun resumes.")
 @click.option("--cost-lengths", default="4096,8192", show_default=True,
               help="Lengths for the TPOT comparison ('' skips it).")
 @click.option("--steps", default=32, show_default=True, help="Decode steps timed per condition.")
+@click.option("--selection", is_flag=True,
+              help="Also: the share of each step's cold attention each selector's choice holds, against the "
+                   "exact top-k and the best pages (the largest hot and recall budgets, the same sessions).")
+@click.option("--page", "pages", default="8,16", show_default=True,
+              help="With --selection: page sizes of the pages selector.")
 @click.option("--dtype", default="bfloat16", type=click.Choice(["float32", "bfloat16"]), show_default=True)
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps, dtype,
-                 out, as_json) -> None:
+def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps, selection,
+                 pages, dtype, out, as_json) -> None:
     """Decode-time recall from the tier: replies equal to the full cache's, turn by turn, and TPOT side by side."""
     from ..bench import quality, recall
+    from ..config import RecallConfig
     from ..recall import SELECTORS
 
     chosen = tuple(s.strip() for s in selectors.split(",") if s.strip())
@@ -393,10 +399,22 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
     lengths = _int_list("cost-lengths", cost_lengths) if cost_lengths.strip() else []
     cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=log) if lengths else {}
     result = {"benchmark": "recall", "model": model, "dtype": dtype, "summary": summary, "cost": cost}
+    if selection:
+        ratio = max(recall_list)
+        specs = {}
+        for name in chosen:
+            sizes = _int_list("--page", pages) if name == "pages" else [None]
+            for size in sizes:
+                extra = {"page": size} if size else {}
+                specs[f"{name}{size or ''}"] = RecallConfig.make(ratio=ratio, selector=name, **extra)
+        result["selection"] = recall.run_selection(runner, list(range(500, 500 + max(n_sessions, 1))), max(hot_list),
+                                                   ratio, max_new_tokens, specs, log=log)
 
     def table(res: dict) -> str:
         return "\n\n".join(t for t in (recall.quality_table(res["summary"]) if res["summary"] else "",
-                                       recall.cost_table(res["cost"]) if res["cost"] else "") if t)
+                                       recall.cost_table(res["cost"]) if res["cost"] else "",
+                                       recall.selection_table(res["selection"]) if res.get("selection") else "")
+                           if t)
 
     _emit(result, out, as_json, table)
 
