@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from snapkv_sessions import models
 from snapkv_sessions.errors import ConfigError
@@ -115,3 +116,27 @@ def test_bf16_replies_against_fp32_on_the_bundled_models(name):
     out = agreement(name, PROMPTS[:4], max_new_tokens=12)
     assert out.prompts == 4 and out.identical == sum(d is None for d in out.first_divergence)
     assert all(d is None or d > 0 for d in out.first_divergence)
+
+
+@pytest.mark.parametrize("mask", [None, "row", "head"])
+def test_bf16_decode_attention_equals_fp32_attention(mask):
+    """A bf16 decode step's attention (two matmuls, an fp32 softmax; not the CPU flash kernel) equals fp32 SDPA on
+    the same inputs within bf16's rounding: GQA, and key masks per row (batched slots) and per KV head (uneven
+    heads)."""
+    from snapkv_sessions.attention import causal_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 6, 1, 16, generator=g)  # (B, Hq, 1, D)
+    key, value = torch.randn(3, 2, 50, 16, generator=g), torch.randn(3, 2, 50, 16, generator=g)  # (B, Hkv, T, D)
+    key_mask = None
+    if mask is not None:
+        key_mask = torch.rand(3, 1 if mask == "row" else 2, 1, 50, generator=g) > 0.4  # (B, 1 or Hkv, 1, T)
+        key_mask[..., -1] = True  # a step always sees its own token
+    ref = causal_sdpa(query, key, value, 0.25, key_mask)  # fp32: PyTorch's SDPA
+    got = causal_sdpa(query.bfloat16(), key.bfloat16(), value.bfloat16(), 0.25, key_mask)
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape == (3, 1, 6, 16)
+    torch.testing.assert_close(got.float(), ref, rtol=0.02, atol=0.02)
+    if key_mask is not None:  # a masked key changes nothing: the output is the same with its K/V scrambled
+        hidden = ~key_mask.expand(3, 2, 1, 50)[:, :, 0, :, None]  # (B, Hkv, T, 1)
+        noisy = torch.where(hidden, torch.randn(key.shape, generator=g) * 50, key).bfloat16()
+        torch.testing.assert_close(causal_sdpa(query.bfloat16(), noisy, value.bfloat16(), 0.25, key_mask), got)
