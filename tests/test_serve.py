@@ -35,8 +35,10 @@ class Server:
         self.db = tmp / "sessions.db"
         policy = tmp / "policy.json"
         policy.write_text(json.dumps(POLICY))
+        # fp32 whatever the CPU: these tests compare replies exactly (batched against alone, verify), and in
+        # bf16 (serve's `auto` on a CPU with AVX-512 BF16) a batched reply can part from the same turn alone
         self.proc, self.url = start_server(MODEL, tmp, "--policy", str(policy), "--max-tokens", "12",
-                                           "--warm-tokens", "64", *args,  # a short warm start: still run, cheaply
+                                           "--warm-tokens", "64", "--dtype", "float32", *args,  # a short warm start
                                            wait_s=180)
 
     @staticmethod
