@@ -120,6 +120,13 @@ class SparQ:
         return keys.numel() * keys.element_size() * min(self.channels, keys.shape[-1]) // keys.shape[-1]
 
 
+def page_slots(pages: torch.Tensor, page: int, cold: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slots of whole ``pages`` (B, Hkv, n) of ``page`` consecutive cold slots, out of ``cold``: (slots,
+    attend) (B, Hkv, n * page), ``attend`` False past the last slot (the last page may be short)."""
+    slots = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(2)  # (B, Hkv, n*page)
+    return slots.clamp(max=cold - 1), slots < cold
+
+
 @dataclass
 class Pages:
     """Quest's page bounds over the cold slots of each head; the best pages are recalled whole."""
@@ -157,10 +164,7 @@ class Pages:
         bound = bound.nan_to_num(nan=float("-inf"))  # a page of padding alone: inf * 0
         n_pages = min(-(-k // self.page), bound.shape[-1])
         pages = _top(bound, None, n_pages)[0]  # (B, Hkv, n)
-        slots = (pages[..., None] * self.page + torch.arange(self.page, device=keys.device)).flatten(2)  # (B, Hkv, n*page)
-        cold = keys.shape[2]
-        attend = slots < cold  # (B, Hkv, n*page) the last page may be short
-        slots = slots.clamp(max=cold - 1)
+        slots, attend = page_slots(pages, self.page, keys.shape[2])  # (B, Hkv, n*page) each
         if real is not None:
             attend &= real.gather(-1, slots)
         return slots, attend
@@ -241,7 +245,7 @@ register_selector("lowrank", lambda cfg, rotary: LowRank(cfg.rank, rotary))
 assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
 
 __all__ = ["SELECTORS", "BatchRecall", "Exact", "LowRank", "Pages", "Recall", "RecallConfig", "RecallStats", "SparQ",
-           "register_selector"]
+           "page_slots", "register_selector"]
 
 
 @dataclass

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import CompressionConfig, RecallConfig
+from ..config import BUILTIN_SELECTORS, CompressionConfig, RecallConfig
 from ..policy import Policy
 from ..recall import SELECTORS as REGISTRY
-from ..recall import Exact, LowRank, register_selector
+from ..recall import Exact, LowRank, page_slots, register_selector
 from .shift import SYSTEM, make_scenario, run_session
 
-SELECTORS = ("exact", "sparq", "pages", "lowrank")
+SELECTORS = BUILTIN_SELECTORS
 
 
 def conditions(hots: list[float], recalls: list[float], selectors: tuple[str, ...] = SELECTORS) -> dict[str, dict]:
@@ -252,9 +252,8 @@ def run_selection(runner, seeds: list[int], hot: float, ratio: float, max_new_to
                     padded = torch.cat([best, best.new_full((*best.shape[:2], n * size - cold), float("-inf"))], -1)
                     rank = padded.view(*best.shape[:2], n, size).amax(-1)  # (B, Hkv, n) a page's best score
                     chosen = rank.topk(min(-(-k // size), n), -1).indices
-                    slots = (chosen[..., None] * size + torch.arange(size)).flatten(2)  # (B, Hkv, n*size)
-                    ok = slots < cold
-                    held.setdefault(f"page_oracle{size}", []).append(_mass(p, slots.clamp(max=cold - 1), ok))
+                    slots, ok = page_slots(chosen, size, cold)  # (B, Hkv, n*size) each
+                    held.setdefault(f"page_oracle{size}", []).append(_mass(p, slots, ok))
                 for name, sel in built.items():
                     idx, attend = sel.choose(query, keys, real, k, positions)
                     held.setdefault(name, []).append(_mass(p, idx, attend))

@@ -363,7 +363,8 @@ def _float_list(name: str, text: str) -> list[float]:
               help="Scripted bench shift sessions (10 turns each).")
 @click.option("--hots", default="0.1,0.2", show_default=True, help="Hot budget ratios.")
 @click.option("--recalls", default="0.05,0.1", show_default=True, help="Recall budgets, as shares of the context.")
-@click.option("--selectors", default="exact,sparq,pages,lowrank", show_default=True, help="Recall selectors.")
+@click.option("--selectors", default=None, show_default="every built-in one",
+              help="Recall selectors, separated by commas.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--results", default=None,
               help="JSONL file: one line per session and condition, appended; a rerun resumes.")
@@ -386,7 +387,7 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
     from ..config import RecallConfig
     from ..recall import SELECTORS
 
-    chosen = tuple(s.strip() for s in selectors.split(",") if s.strip())
+    chosen = recall.SELECTORS if selectors is None else tuple(s.strip() for s in selectors.split(",") if s.strip())
     unknown = [s for s in chosen if s not in SELECTORS]
     if unknown:
         raise click.BadParameter(f"{unknown}: registered selectors are {sorted(SELECTORS)}", param_hint="--selectors")
@@ -394,6 +395,7 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
     log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     runner = quality.load_runner(model, dtype)
     hot_list, recall_list = _float_list("--hots", hots), _float_list("--recalls", recalls)
+    page_sizes = _int_list("page", pages)  # checked before the grid runs, not after
     summary = recall.run_quality(runner, list(range(500, 500 + n_sessions)), hot_list, recall_list, max_new_tokens,
                                  results, selectors=chosen, log=log) if n_sessions else {}
     lengths = _int_list("cost-lengths", cost_lengths) if cost_lengths.strip() else []
@@ -403,10 +405,9 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
         ratio = max(recall_list)
         specs = {}
         for name in chosen:
-            sizes = _int_list("--page", pages) if name == "pages" else [None]
-            for size in sizes:
-                extra = {"page": size} if size else {}
-                specs[f"{name}{size or ''}"] = RecallConfig.make(ratio=ratio, selector=name, **extra)
+            for size in page_sizes if name == "pages" else [None]:
+                extra = {} if size is None else {"page": size}
+                specs[f"{name}{'' if size is None else size}"] = RecallConfig.make(ratio=ratio, selector=name, **extra)
         result["selection"] = recall.run_selection(runner, list(range(500, 500 + max(n_sessions, 1))), max(hot_list),
                                                    ratio, max_new_tokens, specs, log=log)
 
