@@ -19,13 +19,13 @@ import importlib.metadata as md
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import progress
 from .errors import ConfigError, ModelResolveError
 
 CONVERTED_MARKER = "snapkv-sessions-source.json"
@@ -184,10 +184,11 @@ def _build_bundle(bundle: Bundle, target: Path) -> None:
             f"model={bundle.name!r}: its {len(parts)} part(s) join to {size:,} bytes, not the expected "
             f"{bundle.size:,}; reinstall with `{bundle.install}`"
         )
-    # the first use of a bundle writes fp32 weights (several times the packaged size): say so, once, on stderr
-    print(f"snapkv-sessions: converting bundle {bundle.name} once into {target} ({size / 2**30:.1f} GiB packaged; "
-          "the fp32 copy is larger); later loads read it directly", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+    with progress.task(f"converting {bundle.name}: checking its parts", total=size,
+                       unit="bytes") as shown, tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        # the first use of a bundle writes fp32 weights (several times the packaged size): say so, once
+        shown.log(f"snapkv-sessions: converting bundle {bundle.name} once into {target} ({size / 2**30:.1f} GiB "
+                  "packaged; the fp32 copy is larger); later loads read it directly")
         gguf = Path(tmp) / f"{bundle.name}.gguf"
         digest = hashlib.sha256()
         with open(gguf, "wb") as out:
@@ -196,6 +197,7 @@ def _build_bundle(bundle: Bundle, target: Path) -> None:
                     while chunk := src.read(1 << 22):
                         digest.update(chunk)
                         out.write(chunk)
+                        shown.advance(len(chunk))
         if digest.hexdigest() != bundle.sha256:
             raise ModelResolveError(
                 f"model={bundle.name!r}: sha256 {digest.hexdigest()} of {[str(p) for p in parts]} does not match "
@@ -216,13 +218,20 @@ def _convert_gguf(gguf: Path, target: Path, source: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are de-quantised already; drop the GGUF quantizer so save_pretrained writes plain fp32.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with progress.task(f"de-quantising {gguf.name} to fp32") as shown:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are de-quantised already; drop the GGUF quantizer so save_pretrained writes plain fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shown.update(f"writing the fp32 copy of {gguf.name} to {target}")
+        _save_converted(model, tok, target, source)
+
+
+def _save_converted(model, tok, target: Path, source: dict) -> None:
+    """Write ``target`` atomically: into a staging folder beside it, renamed into place once complete."""
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         model.save_pretrained(staging)
@@ -310,8 +319,9 @@ def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None
         dtype = getattr(torch, resolve_dtype(dtype))
     path = resolve_model(name)
     try:  # local files only: a name that is not here fails at once instead of retrying a hub it cannot reach
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        with progress.task(f"loading {name} ({str(dtype).removeprefix('torch.')})"):
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except OSError as exc:
         raise ModelResolveError(
             f"model={str(name)!r}: cannot load it offline ({exc}); give a local folder, a .gguf file or one of "

@@ -16,17 +16,21 @@ from collections.abc import Mapping
 
 import click
 
+from .. import progress
 from ..errors import SnapKVError
 from ..models import DTYPE_CHOICES
 
 
 def clean_errors(fn):
-    """Turn the library's own errors into a one-line CLI error (exit 1) instead of a traceback."""
+    """Turn the library's own errors into a one-line CLI error (exit 1) instead of a traceback; a command run with
+    ``--json`` shows no progress from anything it calls (:mod:`..progress`), so its stdout is JSON alone and its
+    stderr quiet. Every command goes through here, so this is the one place that applies the rule."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with progress.quiet(bool(kwargs.get("as_json"))):
+                return fn(*args, **kwargs)
         except SnapKVError as exc:
             raise click.ClickException(str(exc)) from None
 

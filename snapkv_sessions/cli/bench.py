@@ -7,6 +7,7 @@ import os
 
 import click
 
+from .. import progress
 from . import clean_errors, main, need_matplotlib, quiet_loaders
 
 
@@ -37,7 +38,8 @@ def bench_overhead(model, lengths, budget_ratio, window, kernel, repeats, as_jso
     if not sizes or min(sizes) < window + 1:
         raise click.BadParameter(f"--lengths={lengths!r}: each length must exceed the window ({window})")
     cfg = CompressionConfig.make(budget_ratio=budget_ratio, window=window, kernel=kernel)
-    result = overhead.run(model, sizes, cfg, repeats=repeats)
+    with progress.task(f"bench overhead: {len(sizes)} length(s) x {repeats} repeat(s)"):
+        result = overhead.run(model, sizes, cfg, repeats=repeats)
     click.echo(json.dumps(result, indent=2))
     if not as_json:
         click.echo(overhead.table(result), err=False)
@@ -58,8 +60,9 @@ def bench_speed(model, lengths, budgets, window, steps, plot_path, as_json) -> N
     from ..bench import speed
 
     quiet_loaders()
-    result = speed.run(model, [int(x) for x in lengths.split(",")], [float(x) for x in budgets.split(",")],
-                       window=window, steps=steps)
+    with progress.task("bench speed"):
+        result = speed.run(model, [int(x) for x in lengths.split(",")], [float(x) for x in budgets.split(",")],
+                           window=window, steps=steps)
     click.echo(json.dumps(result, indent=2))
     if plot_path:
         speed.plot(result, plot_path)
@@ -83,7 +86,8 @@ def bench_tier(model, lengths, ratio, window, new_tokens, repeats, dtype, out, a
     from ..bench import tier
 
     quiet_loaders()
-    result = tier.run(model, [int(x) for x in lengths.split(",")], ratio, window, new_tokens, repeats, dtype)
+    with progress.task("bench tier: tiered turns against re-prefills"):
+        result = tier.run(model, [int(x) for x in lengths.split(",")], ratio, window, new_tokens, repeats, dtype)
     _emit(result, out, as_json, tier.table)
 
 
@@ -99,7 +103,9 @@ def bench_detector(scenarios, threshold, calibration, out, as_json) -> None:
     from ..bench import detector
 
     quiet_loaders()
-    _emit(detector.run(scenarios, threshold, calibration), out, as_json, detector.table)
+    with progress.task("bench detector"):
+        result = detector.run(scenarios, threshold, calibration)
+    _emit(result, out, as_json, detector.table)
 
 
 @bench.command("quality")
@@ -123,7 +129,6 @@ def bench_quality(model, n_items, ratio, window, max_new_tokens, records, method
     from ..bench import quality
 
     quiet_loaders()
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     chosen = quality.METHODS
     if methods is not None:
         chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -131,8 +136,10 @@ def bench_quality(model, n_items, ratio, window, max_new_tokens, records, method
         if unknown or not chosen:
             raise click.BadParameter(f"{methods[:80]!r}: choose from {', '.join(quality.METHODS)}",
                                      param_hint="--methods")
-    result = quality.run_quality(quality.load_runner(model, dtype), n_items, ratio, window, max_new_tokens, records,
-                                 log=log, methods=chosen)
+    runner = quality.load_runner(model, dtype)
+    with progress.task(f"bench quality: {n_items} item(s)", total=n_items) as shown:  # it logs one line per item
+        result = quality.run_quality(runner, n_items, ratio, window, max_new_tokens, records, log=shown.step,
+                                     methods=chosen)
     result["model"], result["dtype"] = model, dtype
     if plot_path:
         quality.quality_plot(result, plot_path)
@@ -158,9 +165,13 @@ def bench_knee(model, n_items, budgets, window, max_new_tokens, lengths, dtype, 
     from ..bench import knee, quality
 
     quiet_loaders()
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = knee.run(quality.load_runner(model, dtype), [int(x) for x in lengths.split(",")], n_items,
-                      [float(b) for b in budgets.split(",")], window, max_new_tokens, log=log)
+    sizes = [int(x) for x in lengths.split(",")]
+    runner = quality.load_runner(model, dtype)
+    # knee.run logs one line per length and task
+    with progress.task(f"bench knee: {len(sizes)} length(s) x {len(knee.TASKS)} tasks",
+                       total=len(sizes) * len(knee.TASKS)) as shown:
+        result = knee.run(runner, sizes, n_items, [float(b) for b in budgets.split(",")], window, max_new_tokens,
+                          log=shown.step)
     result["model"], result["dtype"] = model, dtype
     if plot_path:
         knee.plot(result, plot_path)
@@ -197,9 +208,9 @@ def bench_shift(model, n_sessions, ratios, ratio, threshold, calibration, window
 
     quiet_loaders()
     sizes = [float(x) for x in ratios.split(",") if x.strip()]
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = shift.run(model, n_sessions, sizes, window, max_new_tokens, ratio=ratio, threshold=threshold,
-                       calibration=calibration, log=log)
+    with progress.task(f"bench shift: {n_sessions} session(s)") as shown:
+        result = shift.run(model, n_sessions, sizes, window, max_new_tokens, ratio=ratio, threshold=threshold,
+                           calibration=calibration, log=shown.log)
     _emit(result, out, as_json, shift.table, bulky="turns")
 
 
@@ -218,8 +229,9 @@ def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_jso
     from ..bench import forks
 
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[boundaries]
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    _emit(forks.run(model, requests, batch, document_tokens, modes, log=log), out, as_json, forks.table)
+    with progress.task(f"bench forks: {requests} identical requests") as shown:
+        result = forks.run(model, requests, batch, document_tokens, modes, log=shown.log)
+    _emit(result, out, as_json, forks.table)
 
 
 @bench.command("serve")
@@ -272,7 +284,6 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, pac
         pids = [int(p) for p in _split(against_pids)]
     except ValueError:
         raise click.BadParameter(f"{bounded_repr(against_pids)}: give process ids", param_hint="--against-pid") from None
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
                                   tuple(_int_list("batch", batches)), max_queue, policy, budget,
                                   {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
@@ -285,7 +296,8 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, pac
         spec.against = serve_bench.against_targets(urls, _split(against_models), pids, against_key, allow_remote)
     except ConfigError as exc:
         raise click.BadParameter(f"{bounded_repr(exc.value)}: {exc.reason}", param_hint="--against") from None
-    result = serve_bench.run(spec, base_url, api_key, log=log)
+    with progress.task("bench serve") as shown:
+        result = serve_bench.run(spec, base_url, api_key, log=shown.log)
     _emit(result, out, as_json, serve_bench.table, bulky="turns")
 
 
@@ -331,9 +343,9 @@ def bench_ray(model, db, replicas, clients, turns, max_tokens, batch, budget, po
     from ..bench import ray as ray_bench
     from ..bench.serve import ServeBench
 
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
     spec = ServeBench(model, _int_list("clients", clients), turns, max_tokens, (batch,), 16, policy, budget)
-    result = ray_bench.run(spec, db, replicas, log=log)
+    with progress.task("bench ray") as shown:
+        result = ray_bench.run(spec, db, replicas, log=shown.log)
     _emit(result, out, as_json, ray_bench.table, bulky="none")
 
 
@@ -463,9 +475,10 @@ def bench_ruler(model, tasks, lengths, n_items, budgets, settings, methods, wind
     if results and not resume and os.path.exists(results):
         os.remove(results)
     quiet_loaders()
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = ruler.run(quality.load_runner(model, dtype), model, names, _int_list("lengths", lengths), n_items, ratios,
-                       chosen["settings"], chosen["methods"], window, max_new_tokens, results, dtype, log=log)
+    runner = quality.load_runner(model, dtype)
+    with progress.task("bench ruler") as shown:
+        result = ruler.run(runner, model, names, _int_list("lengths", lengths), n_items, ratios, chosen["settings"],
+                           chosen["methods"], window, max_new_tokens, results, dtype, log=shown.log)
     if plot_path:
         ruler.plot(result, plot_path)
     _emit(result, out, as_json, ruler.table, bulky="none")
@@ -486,7 +499,8 @@ def bench_dtype(model, n_prompts, max_new_tokens, out, as_json) -> None:
     if not 1 <= n_prompts <= len(dtype.PROMPTS):
         raise click.ClickException(f"--prompts={n_prompts}: must be 1 to {len(dtype.PROMPTS)}")
     quiet_loaders()
-    result = dtype.agreement(model, dtype.PROMPTS[:n_prompts], max_new_tokens)
+    with progress.task(f"bench dtype: bf16 against fp32 on {n_prompts} prompt(s)"):
+        result = dtype.agreement(model, dtype.PROMPTS[:n_prompts], max_new_tokens)
     _emit(result.to_json(), out, as_json, lambda _: dtype.table(result))
 
 
@@ -528,8 +542,8 @@ def bench_ruler_client(url, model, tokenizer, tasks, lengths, n_items, max_new_t
     if results and not resume and os.path.exists(results):
         os.remove(results)
     quiet_loaders()
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    result = ruler_client.run(url, [t.strip() for t in tasks.split(",") if t.strip()], _int_list("lengths", lengths),
-                              n_items, tokenizer, model, results, max_new_tokens, answer_prefix, threads, timeout_s,
-                              api_key, allow_remote, log=log)
+    with progress.task("bench ruler-client") as shown:
+        result = ruler_client.run(url, [t.strip() for t in tasks.split(",") if t.strip()],
+                                  _int_list("lengths", lengths), n_items, tokenizer, model, results, max_new_tokens,
+                                  answer_prefix, threads, timeout_s, api_key, allow_remote, log=shown.log)
     _emit(result, out, as_json, ruler_client.table, bulky="none")

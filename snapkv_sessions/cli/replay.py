@@ -6,6 +6,7 @@ import json
 
 import click
 
+from .. import progress
 from . import _jsonable, _store, clean_errors, main, need_matplotlib, quiet_loaders
 
 
@@ -144,9 +145,13 @@ def replay(session_id, db, turn, do_verify, against, plot_path, find_text, model
         return
     if do_verify:
         quiet_loaders()
-        shown = (lambda *_: None) if as_json else (
-            lambda done, total: click.echo(f"re-executed turn {done} of {total}", err=True))
-        result = audit.verify(store, session_id, model, progress=shown)
+        with progress.task("replay --verify: re-executing the session") as shown:
+
+            def turn_done(done: int, total: int) -> None:
+                shown.update(completed=done, total=total)
+                shown.log(f"re-executed turn {done} of {total}")
+
+            result = audit.verify(store, session_id, model, progress=turn_done)
         payload = {"ok": result.ok, "turns_checked": result.turns_checked,
                    "mismatch": None if result.mismatch is None else {
                        "turn": result.mismatch.turn, "field": result.mismatch.field,

@@ -7,6 +7,7 @@ import time
 
 import click
 
+from .. import progress
 from ..models import DTYPE_CHOICES, ModelSpec
 from . import clean_errors, main, quiet_loaders
 
@@ -95,9 +96,11 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
     capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights,
                         keep_boundaries=not no_fork_boundaries)
     store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
-    service = Service(model, policy, store, capacity)
-    if warm_tokens:
-        click.echo(service.warm(warm_tokens).line(), err=True)
+    with progress.task(f"starting the server on {model}") as shown:
+        service = Service(model, policy, store, capacity)  # loads the model (its own line on a terminal)
+        if warm_tokens:
+            shown.update(f"warm start: a {warm_tokens}-token document and a follow-up")
+            shown.log(service.warm(warm_tokens).line())
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
                                            max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
                                            docs=docs, shutdown_grace_s=shutdown_grace))
@@ -148,8 +151,9 @@ def _serve_ray(spec: dict, host: str, port: int) -> None:
         from ..serve.ray import build, start_local
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
-    start_local(port)
-    ray_serve.run(build(spec), name="snapkv", route_prefix="/")
+    with progress.task(f"starting Ray Serve: {spec['replicas']} replica(s) of {spec['model']}"):
+        start_local(port)
+        ray_serve.run(build(spec), name="snapkv", route_prefix="/")
     replicas = spec["replicas"]
     click.echo(f"serving {spec['model']} on http://127.0.0.1:{port}/v1 ({replicas} replica{'s' * (replicas != 1)})",
                err=True)
