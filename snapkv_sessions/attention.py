@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .recall import HotKeys
+
 ATTN_NAME = "snapkv"
 
 
@@ -157,15 +159,15 @@ def snapkv_attention_forward(
     if snapkv_probe is not None:
         snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)
     if snapkv_recall is not None and query.shape[-2] == 1:  # decode: also what the step recalls from the tier
-        key, value, key_mask = with_recalled(snapkv_recall, module.layer_idx, query, key, value, key_mask)
+        key, value, key_mask = with_recalled(snapkv_recall, module.layer_idx, query, key, value, key_mask, scaling)
     return causal_sdpa(query, key, value, scaling, key_mask), None
 
 
 def with_recalled(recall, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  key_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The hot keys and values (B, Hkv, T, D) with the step's recalled ones after them (B, Hkv, T + K, D), and the
     key mask over both (B, Hkv, 1, T + K): one exact softmax over hot and recalled slots together."""
-    got = recall.extra(layer, query)
+    got = recall.extra(layer, query, HotKeys(key, key_mask, scaling))
     if got is None:
         return key, value, key_mask
     rec_k, rec_v, attend = got  # (B, Hkv, K, D) each, (B, Hkv, 1, K)

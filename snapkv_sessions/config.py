@@ -22,6 +22,7 @@ BUILTIN_SCORERS = ("snapkv", "streaming")  # registered by snapkv_sessions.score
 
 
 BUILTIN_SELECTORS = ("exact", "sparq", "pages", "lowrank")  # registered by snapkv_sessions.recall when it is imported
+PAGE_SELECTORS = ("pages",)  # built-in selectors that rank pages, not slots (no per-slot scores to weigh)
 
 
 def registered_selectors() -> tuple[str, ...]:
@@ -254,6 +255,16 @@ class RecallConfig(_Settings):
         Quest's page size, in slots.
     rank:
         The low-rank selector's rank (at most the head dimension).
+    reduce:
+        How a slot is ranked from the query heads of its GQA group: ``"max"`` (the largest of their scores: a slot
+        any of them reaches for), or ``"mass"`` (the attention probability the group would give it, each query
+        head's softmax normalised over the hot slots and the selector's estimate of every cold one: a head whose
+        hot set already holds its attention asks for little). ``"mass"`` needs a selector that scores slots (not
+        ``"pages"``).
+    share:
+        How the step's recall budget is split: ``"head"`` (``budget`` slots per layer and KV head), or ``"layer"``
+        (``budget`` times the KV heads per layer, to the slots of any head with the most attention mass: a head
+        whose attention is spread out gets more; needs ``reduce: mass``).
     """
 
     budget: int | None = None
@@ -262,6 +273,8 @@ class RecallConfig(_Settings):
     channels: int = 16
     page: int = 16
     rank: int = 16
+    reduce: Literal["max", "mass"] = "max"
+    share: Literal["head", "layer"] = "head"
 
     @field_validator("selector")
     @classmethod
@@ -285,6 +298,10 @@ class RecallConfig(_Settings):
             raise ValueError(f"page={self.page} must be >= 1")
         if self.rank < 1:
             raise ValueError(f"rank={self.rank} must be >= 1")
+        if self.reduce == "mass" and self.selector in PAGE_SELECTORS:
+            raise ValueError(f"reduce={self.reduce} needs a selector that scores slots; {self.selector!r} ranks pages")
+        if self.share == "layer" and self.reduce != "mass":
+            raise ValueError(f"share={self.share} compares heads by attention mass: it needs reduce: mass")
         return self
 
     def slots(self, context: int) -> int:

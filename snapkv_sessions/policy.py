@@ -251,6 +251,8 @@ _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("drift", "follow_ups"): None,
     ("memory", "recall"): None,
     ("memory", "recall", "rank"): 16,
+    ("memory", "recall", "reduce"): "max",
+    ("memory", "recall", "share"): "head",
 }
 
 

@@ -84,13 +84,26 @@ def _top(scores: torch.Tensor, real: torch.Tensor | None, k: int) -> tuple[torch
     return best.indices, best.values > float("-inf")
 
 
-@dataclass(frozen=True)
-class Exact:
-    """Every cold key scored by the step's query: the reference selector."""
+class SlotSelector:
+    """A selector that scores every cold slot for every query head (:meth:`logits`); :meth:`choose` takes the top
+    ``k`` by the group's max. :class:`Recall` can also weigh the same scores by attention mass (``reduce: mass``)."""
+
+    def logits(self, query: torch.Tensor, keys: torch.Tensor, real: torch.Tensor | None,
+               positions: torch.Tensor) -> torch.Tensor:
+        """(B, Hkv, G, C): each query head's estimate of ``q . k`` for every cold slot (unscaled, as the exact dot
+        product would be), same arguments as :meth:`Selector.choose`."""
+        raise NotImplementedError
 
     def choose(self, query, keys, real, k, positions):
-        scores = torch.einsum("bhgd,bhcd->bhgc", query, keys.to(query.dtype)).amax(dim=2)  # (B, Hkv, C)
-        return _top(scores, real, k)
+        return _top(self.logits(query, keys, real, positions).amax(dim=2), real, k)  # max over the group
+
+
+@dataclass(frozen=True)
+class Exact(SlotSelector):
+    """Every cold key scored by the step's query: the reference selector."""
+
+    def logits(self, query, keys, real, positions):
+        return torch.einsum("bhgd,bhcd->bhgc", query, keys.to(query.dtype))  # (B, Hkv, G, C)
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
         return keys.numel() * keys.element_size()  # it scores every cold key
@@ -100,18 +113,28 @@ class Exact:
 
 
 @dataclass(frozen=True)
-class SparQ:
+class SparQ(SlotSelector):
     """SparQ's first stage: score on the ``channels`` largest components of the group's ``|q|``."""
 
     channels: int = 16
 
-    def choose(self, query, keys, real, k, positions):
+    def partial(self, query: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The products on the group's ``channels`` strongest channels (B, Hkv, G, C), and each query head's share
+        of its ``|q|`` those channels carry (B, Hkv, G)."""
         r = min(self.channels, query.shape[-1])
         dims = query.abs().sum(dim=2).topk(r, dim=-1).indices  # (B, Hkv, r) the head's strongest channels
         q_r = query.gather(-1, dims[:, :, None].expand(-1, -1, query.shape[2], -1))  # (B, Hkv, G, r)
         k_r = keys.gather(-1, dims[:, :, None].expand(-1, -1, keys.shape[2], -1)).to(query.dtype)  # (B, Hkv, C, r)
-        scores = torch.einsum("bhgr,bhcr->bhgc", q_r, k_r).amax(dim=2)  # (B, Hkv, C)
-        return _top(scores, real, k)
+        kept = q_r.abs().sum(-1) / query.abs().sum(-1).clamp_min(1e-12)  # (B, Hkv, G)
+        return torch.einsum("bhgr,bhcr->bhgc", q_r, k_r), kept
+
+    def choose(self, query, keys, real, k, positions):
+        return _top(self.partial(query, keys)[0].amax(dim=2), real, k)  # the partial products, as SparQ ranks
+
+    def logits(self, query, keys, real, positions):
+        partial, kept = self.partial(query, keys)  # (B, Hkv, G, C), (B, Hkv, G)
+        # SparQ's temperature: the partial products stand in for the full one scaled by sqrt(||q||_1 / ||q_r||_1)
+        return partial * kept.clamp_min(1e-12).rsqrt()[..., None]  # (B, Hkv, G, C)
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
         return keys.numel() * keys.element_size()  # the channels change every step: every cold key is needed
@@ -178,7 +201,7 @@ class Pages:
 
 
 @dataclass
-class LowRank:
+class LowRank(SlotSelector):
     """A rank-``rank`` SVD of each head's cold keys before RoPE; each step scores on the keys it rebuilds."""
 
     rank: int = 16
@@ -207,13 +230,12 @@ class LowRank:
         self._memo.append((keys, a, v, cos_sin))
         return a, v, cos_sin
 
-    def choose(self, query, keys, real, k, positions):
+    def logits(self, query, keys, real, positions):
         a, v, cos_sin = self.factors(keys, real, positions)
         approx = a @ v  # (B, Hkv, C, D) the pre-RoPE keys, rebuilt
         if cos_sin is not None:
             approx = self.rotary.apply(approx, positions, cos_sin=cos_sin)  # (B, Hkv, C, D) at their positions
-        scores = torch.einsum("bhgd,bhcd->bhgc", query.float(), approx).amax(dim=2)  # (B, Hkv, C)
-        return _top(scores, real, k)
+        return torch.einsum("bhgd,bhcd->bhgc", query.float(), approx)  # (B, Hkv, G, C)
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
         bsz, heads, cold, dim = keys.shape
@@ -244,8 +266,8 @@ register_selector("pages", lambda cfg, rotary: Pages(cfg.page))
 register_selector("lowrank", lambda cfg, rotary: LowRank(cfg.rank, rotary))
 assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
 
-__all__ = ["SELECTORS", "BatchRecall", "Exact", "LowRank", "Pages", "Recall", "RecallConfig", "RecallStats", "SparQ",
-           "page_slots", "register_selector"]
+__all__ = ["SELECTORS", "BatchRecall", "Exact", "HotKeys", "LowRank", "Pages", "Recall", "RecallConfig", "RecallStats",
+           "SlotSelector", "SparQ", "attention_mass", "page_slots", "register_selector"]
 
 
 @dataclass
@@ -291,6 +313,9 @@ class Recall:
     def __init__(self, cfg: RecallConfig, cold, stats: RecallStats, rotary: Rotary | None = None) -> None:
         self.cfg, self.cold, self.stats = cfg, cold, stats
         self.selector = SELECTORS[cfg.selector](cfg, rotary)
+        if cfg.reduce == "mass" and not callable(getattr(self.selector, "logits", None)):
+            raise ConfigError("memory.recall.reduce", cfg.reduce,
+                              f"needs a selector with per-slot logits; {cfg.selector!r} has none")
         self.context = 0  # true positions at this step (set by the cache before each step)
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
@@ -312,11 +337,13 @@ class Recall:
         held = sum(self.selector.summary_bytes(part.keys) for part in self.cold.layers if part is not None)
         return {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector}
 
-    def extra(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The recalled keys and values of ``layer`` for this step, (B, Hkv, K, D) each, and (B, Hkv, 1, K) bool:
         which to attend to; None when the layer has nothing cold or the budget is 0.
 
-        ``query`` (B, Hq, 1, D): the step's query, post-RoPE."""
+        ``query`` (B, Hq, 1, D): the step's query, post-RoPE; ``hot``: the layer's hot keys this step (needed by
+        ``reduce: mass``, which normalises each query head's attention over them)."""
         part = self.cold.layers[layer]
         if part is None:
             return None
@@ -330,11 +357,21 @@ class Recall:
         cold_keys = keys.to(query.device)
         real = None if part.real is None else part.real.to(query.device)
         positions = part.positions.to(query.device)  # (B, Hkv, C)
-        idx, attend = self.selector.choose(grouped, cold_keys, real, k, positions)
+        hot_read = 0
+        if self.cfg.reduce == "max":
+            idx, attend = self.selector.choose(grouped, cold_keys, real, k, positions)
+        else:
+            if hot is None:
+                raise ValueError("reduce: mass needs the layer's hot keys (Recall.extra(..., hot=HotKeys(...)))")
+            logits = self.selector.logits(grouped, cold_keys, real, positions)  # (B, Hkv, G, C)
+            mass = attention_mass(grouped, logits, real, hot)  # (B, Hkv, C)
+            idx, attend = _top(mass, real, k) if self.cfg.share == "head" else _top_shared(mass, real, k)
+            hot_read = hot.keys.numel() * hot.keys.element_size()  # the hot keys read once more, for their sums
         rows = idx[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, K, D)
         rec_k = cold_keys.gather(2, rows).to(query.dtype)  # (B, Hkv, K, D)
         rec_v = values.to(query.device).gather(2, rows).to(query.dtype)
         self._account(layer, part, idx, attend, cold_keys, k)
+        self.stats.read_select += hot_read
         if self.observer is not None:
             self.observer(layer, positions.gather(-1, idx).masked_fill(~attend, -1))  # (B, Hkv, K)
         return rec_k, rec_v, attend[:, :, None]  # (B, Hkv, 1, K)
@@ -356,6 +393,50 @@ class Recall:
         stats.distinct[layer] = now if seen is None or seen.shape != now.shape else seen | now
 
 
+@dataclass(frozen=True)
+class HotKeys:
+    """A layer's hot keys at a decode step, as attention sees them: ``keys`` (B, Hkv, T, D) post-RoPE, ``mask``
+    (B, 1 or Hkv, 1, T) bool or None (the keys each row and head may see), ``scaling`` the softmax scale."""
+
+    keys: torch.Tensor
+    mask: torch.Tensor | None
+    scaling: float
+
+    def row(self, i: int) -> HotKeys:
+        """Row ``i`` of a batched step, as that session's own step would see it."""
+        return HotKeys(self.keys[i : i + 1], None if self.mask is None else self.mask[i : i + 1], self.scaling)
+
+
+def attention_mass(query: torch.Tensor, logits: torch.Tensor, real: torch.Tensor | None, hot: HotKeys) -> torch.Tensor:
+    """The attention probability each cold slot would get from its GQA group: per query head, a softmax over the
+    hot keys (exact) and every cold slot (``logits``, the selector's estimate), summed over the group's heads.
+
+    query (B, Hkv, G, D); logits (B, Hkv, G, C) unscaled; real (B, Hkv, C) bool or None. Returns (B, Hkv, C) fp32,
+    0 at padding slots."""
+    cold = logits.float() * hot.scaling  # (B, Hkv, G, C)
+    if real is not None:
+        cold = cold.masked_fill(~real[:, :, None], float("-inf"))
+    warm = torch.einsum("bhgd,bhtd->bhgt", query.float(), hot.keys.float()) * hot.scaling  # (B, Hkv, G, T)
+    if hot.mask is not None:
+        warm = warm.masked_fill(~hot.mask, float("-inf"))  # (B, 1 or Hkv, 1, T) over the group
+    total = torch.logaddexp(cold.logsumexp(-1), warm.logsumexp(-1))  # (B, Hkv, G) each head's normaliser
+    return (cold - total[..., None]).exp().sum(dim=2)  # (B, Hkv, C)
+
+
+def _top_shared(scores: torch.Tensor, real: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top ``k`` times the heads of ``scores`` (B, Hkv, C) over all heads of a row together, padding never
+    chosen: (indices, attend) (B, Hkv, W), W the most any head got (``attend`` False past a head's own)."""
+    if real is not None:
+        scores = scores.masked_fill(~real, float("-inf"))
+    bsz, heads, cold = scores.shape
+    flat = scores.reshape(bsz, heads * cold)  # (B, Hkv * C)
+    best = flat.topk(min(k * heads, heads * cold), dim=-1)  # (B, k * Hkv)
+    chosen = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, best.indices, best.values > float("-inf"))
+    chosen = chosen.view(bsz, heads, cold)  # (B, Hkv, C)
+    width = max(int(chosen.sum(-1).max()), 1)
+    return _top(scores.masked_fill(~chosen, float("-inf")), None, width)
+
+
 class BatchRecall:
     """The recalls of a batched decode step's slots (:mod:`snapkv_sessions.batch`): each slot recalls from its
     own tier (None: a slot without recall); rows are padded to the slot that recalls the most, the padding hidden
@@ -364,9 +445,11 @@ class BatchRecall:
     def __init__(self, recalls: list[Recall | None]) -> None:
         self.recalls = recalls
 
-    def extra(self, layer: int, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``query`` (n, Hq, 1, D); returns keys and values (n, Hkv, K, D) and the mask (n, Hkv, 1, K), or None."""
-        got = [None if rec is None else rec.extra(layer, query[i : i + 1]) for i, rec in enumerate(self.recalls)]
+        got = [None if rec is None else rec.extra(layer, query[i : i + 1], None if hot is None else hot.row(i))
+               for i, rec in enumerate(self.recalls)]
         present = [g for g in got if g is not None]
         if not present:
             return None

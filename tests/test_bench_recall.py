@@ -95,3 +95,16 @@ def test_selection_scores_each_choice_against_the_exact_top_k(smollm2):
     assert sel["exact"]["mass"] == sel["oracle"]["mass"] and sel["exact"]["of_oracle"] == 1.0
     assert len({c["layer_steps"] for c in sel.values()}) == 1 and sel["oracle"]["layer_steps"] > 0
     assert all(0.0 < c["mass"] <= 1.0 for c in sel.values())
+
+
+def test_selector_specs_name_their_options_and_bad_ones_are_refused():
+    conds = bench.conditions([0.2], [0.1], ("exact", "exact+mass+layer", "lowrank+mass"))
+    assert list(conds) == ["full", "hot0.2", "hot0.2+exact0.1", "hot0.2+exact0.1+mass+layer", "hot0.2+lowrank0.1+mass"]
+    shared = bench.policy_for("x", conds["hot0.2+exact0.1+mass+layer"]).memory.recall
+    assert (shared.selector, shared.reduce, shared.share, shared.ratio) == ("exact", "mass", "layer", 0.1)
+    plain = bench.policy_for("x", conds["hot0.2+exact0.1"]).memory.recall
+    assert (plain.reduce, plain.share) == ("max", "head")
+    for bad, said in (("exact+foo", "unknown option 'foo'"), ("pages+mass", "ranks pages"),
+                      ("exact+layer", "needs reduce: mass"), ("nope", "unknown selector")):
+        out = CliRunner().invoke(main, ["bench", "recall", "--selectors", bad, "--sessions", "0", "--json"])
+        assert out.exit_code == 2 and said in out.output and "Traceback" not in out.output, (bad, out.output)

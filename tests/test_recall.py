@@ -18,7 +18,15 @@ from snapkv_sessions.policy import Policy, PolicyError
 GREEDY = GenerationConfig(max_new_tokens=8, eos_token_ids=())
 HOT = CompressionConfig.make(budget=16, window=4, kernel=3)
 SELECTORS = [{"selector": "exact"}, {"selector": "sparq", "channels": 4}, {"selector": "pages", "page": 3},
-             {"selector": "lowrank", "rank": 3}]
+             {"selector": "lowrank", "rank": 3},
+             # ranked by the group's attention mass, per head and shared over a layer's heads
+             {"selector": "exact", "reduce": "mass"}, {"selector": "sparq", "channels": 4, "reduce": "mass"},
+             {"selector": "lowrank", "rank": 3, "reduce": "mass", "share": "layer"},
+             {"selector": "exact", "reduce": "mass", "share": "layer"}]
+
+
+def _name(select: dict) -> str:
+    return "-".join(str(select[k]) for k in ("selector", "reduce", "share") if k in select)
 
 
 def prompt(n: int, seed: int = 1, vocab: int = 96) -> list[int]:
@@ -31,7 +39,7 @@ def turns(runner: ModelRunner, state, cfg) -> list[list[int]]:
     return [runner.turn(state, prompt(40 if t == 0 else 8, seed=t + 1), cfg, GREEDY).tokens for t in range(3)]
 
 
-@pytest.mark.parametrize("select", SELECTORS, ids=lambda s: s["selector"])
+@pytest.mark.parametrize("select", SELECTORS, ids=_name)
 def test_recalling_every_cold_slot_equals_the_full_cache(tiny_kind, select):
     runner = ModelRunner(build_tiny(tiny_kind, seed=3))
     full = runner.new_state()
@@ -65,7 +73,7 @@ def test_recall_of_nothing_equals_the_tiered_decode():
     assert turns(runner, some, HOT) != turns(runner, runner.new_state(tiered=True), HOT)
 
 
-@pytest.mark.parametrize("select", SELECTORS, ids=lambda s: s["selector"])
+@pytest.mark.parametrize("select", SELECTORS, ids=_name)
 def test_each_selector_equals_masked_attention_over_what_it_chose(tiny_kind, select):
     """Every decode step's logits equal full eager attention where the step's row sees exactly: the hot set
     after the compression, this turn's decoded tokens, and the cold positions the selector recalled."""
@@ -249,3 +257,88 @@ def test_lowrank_at_full_rank_chooses_what_exact_chooses():
     low = LowRank(rank=1, rotary=rotary)
     assert not torch.equal(low.choose(query, keys, real, 12, positions)[0].sort(-1).values, ref)
     assert low.summary_bytes(keys) == 2 * (60 * 1 + 1 * dim) * 4  # A and V per head, fp32
+
+
+def test_attention_mass_is_the_groups_softmax_over_hot_and_cold():
+    """Each cold slot's mass equals, summed over its group's query heads, the softmax probability it gets in one
+    softmax over the (visible) hot keys and every real cold slot; SparQ over all channels estimates it exactly."""
+    from snapkv_sessions.recall import Exact, HotKeys, SparQ, attention_mass
+
+    torch.manual_seed(1)
+    query = torch.randn(2, 2, 3, 8)  # (B, Hkv, G, D)
+    cold, hot = torch.randn(2, 2, 30, 8), torch.randn(2, 2, 12, 8)  # (B, Hkv, C, D), (B, Hkv, T, D)
+    real = torch.rand(2, 2, 30) > 0.2
+    visible = torch.rand(2, 2, 1, 12) > 0.3  # (B, Hkv, 1, T)
+    scale = 8 ** -0.5
+    logits = Exact().logits(query, cold, real, None)
+    got = attention_mass(query, logits, real, HotKeys(hot, visible, scale))  # (B, Hkv, C)
+    both = torch.cat([torch.einsum("bhgd,bhtd->bhgt", query, hot).masked_fill(~visible, float("-inf")),
+                      torch.einsum("bhgd,bhcd->bhgc", query, cold).masked_fill(~real[:, :, None], float("-inf"))],
+                     dim=-1) * scale  # (B, Hkv, G, T + C)
+    ref = both.softmax(-1)[..., 12:].sum(dim=2)  # (B, Hkv, C)
+    torch.testing.assert_close(got, ref)
+    assert bool((got[~real] == 0).all())
+    sparq = SparQ(channels=8).logits(query, cold, real, None)
+    torch.testing.assert_close(attention_mass(query, sparq, real, HotKeys(hot, visible, scale)), ref)
+    assert SparQ(channels=8).choose(query, cold, real, 5, None)[0].shape == (2, 2, 5)
+
+
+def test_a_layer_shares_its_recall_by_mass():
+    """share: layer takes the k x heads most massive slots over all heads together: a head whose mass is spread
+    gets more than k, padding is never chosen, and per-head top-k is what share: head takes."""
+    from snapkv_sessions.recall import _top, _top_shared
+
+    mass = torch.tensor([[[0.50, 0.30, 0.01, 0.00, 0.00],  # head 0: two slots hold it
+                          [0.20, 0.19, 0.18, 0.17, 0.16]]])  # head 1: spread out; (B, Hkv, C)
+    real = torch.tensor([[[True] * 5, [True, True, True, True, False]]])
+    idx, attend = _top_shared(mass, real, 2)  # 4 slots in all
+    chosen = [sorted(i for i, a in zip(row, ok, strict=True) if a) for row, ok in zip(idx[0].tolist(), attend[0].tolist(),
+                                                                                     strict=True)]
+    assert chosen == [[0, 1], [0, 1]]
+    idx, attend = _top_shared(mass, real, 3)  # 6 slots: 0.5, 0.3, 0.2, 0.19, 0.18, 0.17 (not head 1's padding)
+    chosen = [sorted(i for i, a in zip(row, ok, strict=True) if a) for row, ok in zip(idx[0].tolist(), attend[0].tolist(),
+                                                                                     strict=True)]
+    assert chosen == [[0, 1], [0, 1, 2, 3]]
+    per_head = _top(mass, real, 3)[0].sort(-1).values
+    assert per_head.tolist() == [[[0, 1, 2], [0, 1, 2]]]
+
+
+def test_mass_recall_in_batched_slots_equals_each_alone():
+    runner = ModelRunner(build_tiny("qwen2", seed=3))
+    short = GenerationConfig(max_new_tokens=4, eos_token_ids=())
+    a = runner.new_state(tiered=True, recall=RecallConfig.make(budget=4, reduce="mass", share="layer"))
+    runner.turn(a, prompt(40), HOT, short)
+    b = runner.new_state(tiered=True, recall=RecallConfig.make(budget=3, selector="lowrank", rank=2, reduce="mass"))
+    runner.turn(b, prompt(33, seed=3), HOT, short)
+    states = [a, b]
+    alone = [s.clone() for s in states]
+    tokens = [s.pending[0] for s in states]
+    for s in states + alone:
+        s.pending = []
+        s.cache.prefill_done(s)
+    for _ in range(3):
+        batched = decode_step(runner, states, tokens)  # (2, V)
+        for i, s in enumerate(alone):
+            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
+        tokens = [int(row.argmax()) for row in batched]
+    figures = a.cache.decode_done(a)
+    assert figures["recalled_per_step"] > 0
+    # the hot keys read for the normalisers count in the selector's bytes: more than the cold keys alone
+    plain = runner.new_state(tiered=True, recall=RecallConfig.make(budget=4))
+    runner.turn(plain, prompt(40), HOT, short)
+    assert figures["read_bytes_per_step"]["select"] > plain.reports[-1].tier["recall"]["read_bytes_per_step"]["select"]
+
+
+def test_mass_options_are_validated_and_keep_stored_hashes():
+    before = Policy.from_dict({"memory": {"recall": {"ratio": 0.1}}})
+    same = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "reduce": "max", "share": "head"}}})
+    assert before.sha256 == same.sha256 and '"reduce"' not in before.canonical_json()
+    mass = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "reduce": "mass", "share": "layer"}}})
+    assert mass.sha256 != before.sha256 and mass.memory.recall.share == "layer"
+    for bad, field in (({"ratio": 0.1, "selector": "pages", "reduce": "mass"}, "memory.recall.reduce"),
+                       ({"ratio": 0.1, "share": "layer"}, "memory.recall.share"),
+                       ({"ratio": 0.1, "reduce": "sum"}, "memory.recall.reduce"),
+                       ({"ratio": 0.1, "share": "model"}, "memory.recall.share")):
+        with pytest.raises(PolicyError) as err:
+            Policy.from_dict({"memory": {"recall": bad}})
+        assert err.value.param == field, (bad, err.value)

@@ -30,15 +30,33 @@ from .shift import SYSTEM, make_scenario, run_session
 SELECTORS = BUILTIN_SELECTORS
 
 
+OPTIONS = {"mass": {"reduce": "mass"}, "layer": {"share": "layer"}}  # a spec's "+word" -> its recall keys
+
+
+def recall_spec(spec: str) -> dict:
+    """A selector spec of the grid, ``NAME[+mass][+layer]`` (``exact``, ``lowrank+mass``, ``exact+mass+layer``) ->
+    its ``memory.recall`` keys (not counting the budget). Unknown words raise ValueError naming them."""
+    name, *words = spec.split("+")
+    out: dict = {"selector": name}
+    for word in words:
+        if word not in OPTIONS:
+            raise ValueError(f"unknown option {word!r} (known: {sorted(OPTIONS)})")
+        out.update(OPTIONS[word])
+    return out
+
+
 def conditions(hots: list[float], recalls: list[float], selectors: tuple[str, ...] = SELECTORS) -> dict[str, dict]:
-    """Condition name -> policy spec: the full cache, then per hot ratio the tier alone and with each recall."""
+    """Condition name -> policy spec: the full cache, then per hot ratio the tier alone and with each recall (a
+    selector spec's options after the ratio: ``hot0.2+exact0.1+mass``)."""
     out = {"full": {"compression": {"budget": 1 << 20, "window": 32}, "memory": {"cold": False}}}
     for hot in hots:
         out[f"hot{hot}"] = {"compression": {"budget_ratio": hot, "window": 32}, "memory": {"cold": True}}
         for ratio in recalls:
-            for sel in selectors:
-                out[f"hot{hot}+{sel}{ratio}"] = {"compression": {"budget_ratio": hot, "window": 32},
-                                                 "memory": {"cold": True, "recall": {"ratio": ratio, "selector": sel}}}
+            for spec in selectors:
+                sel, *words = spec.split("+")
+                name = f"hot{hot}+{sel}{ratio}" + "".join(f"+{w}" for w in words)
+                out[name] = {"compression": {"budget_ratio": hot, "window": 32},
+                             "memory": {"cold": True, "recall": {"ratio": ratio, **recall_spec(spec)}}}
     return out
 
 
@@ -128,7 +146,8 @@ def quality_table(summary: dict) -> str:
 
 
 @torch.inference_mode()
-def run_cost(runner, lengths: list[int], hot: float, recall: float, steps: int, log=print) -> dict:
+def run_cost(runner, lengths: list[int], hot: float, recall: float, steps: int, log=print,
+             selectors: tuple[str, ...] = SELECTORS) -> dict:
     """TPOT of the full cache, the hot cache alone and hot + recall (each selector) at each length, side by
     side from one prefill per length; and the bytes one step reads."""
     from ..transcript import observation_window
@@ -145,8 +164,9 @@ def run_cost(runner, lengths: list[int], hot: float, recall: float, steps: int, 
         logits, probe = runner.prefill(base, ids, window=window)
         prefill_s = time.perf_counter() - t0
         cells = {}
-        for name, rc in [("full", None), (f"hot{hot}", None),
-                         *((f"hot{hot}+{s}{recall}", RecallConfig.make(ratio=recall, selector=s)) for s in SELECTORS)]:
+        specs = conditions([hot], [recall], selectors)
+        for name, spec in specs.items():
+            rc = None if "recall" not in spec["memory"] else RecallConfig.make(**spec["memory"]["recall"])
             state = base.clone()
             if name != "full":
                 runner.compress(state, CompressionConfig.make(budget_ratio=hot, window=32), probe)

@@ -376,7 +376,8 @@ def _float_list(name: str, text: str) -> list[float]:
 @click.option("--hots", default="0.1,0.2", show_default=True, help="Hot budget ratios.")
 @click.option("--recalls", default="0.05,0.1", show_default=True, help="Recall budgets, as shares of the context.")
 @click.option("--selectors", default=None, show_default="every built-in one",
-              help="Recall selectors, separated by commas.")
+              help="Recall selectors, separated by commas; a selector may add '+mass' (rank slots by the group's "
+                   "attention mass) and '+layer' (share the budget over a layer's heads): exact+mass+layer.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--results", default=None,
               help="JSONL file: one line per session and condition, appended; a rerun resumes.")
@@ -397,31 +398,37 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
     """Decode-time recall from the tier: replies equal to the full cache's, turn by turn, and TPOT side by side."""
     from ..bench import quality, recall
     from ..config import RecallConfig
+    from ..errors import ConfigError
     from ..recall import SELECTORS
 
     chosen = recall.SELECTORS if selectors is None else tuple(s.strip() for s in selectors.split(",") if s.strip())
-    unknown = [s for s in chosen if s not in SELECTORS]
-    if unknown:
-        raise click.BadParameter(f"{unknown}: registered selectors are {sorted(SELECTORS)}", param_hint="--selectors")
+    for spec in chosen:  # each checked as the policy would, before any model loads
+        try:
+            RecallConfig.make(ratio=0.1, **recall.recall_spec(spec))
+        except (ValueError, ConfigError) as exc:
+            raise click.BadParameter(f"{spec!r}: {exc} (registered selectors: {sorted(SELECTORS)})",
+                                     param_hint="--selectors") from None
     quiet_loaders()
-    log = (lambda *_: None) if as_json else (lambda msg: click.echo(msg, err=True))
-    runner = quality.load_runner(model, dtype)
     hot_list, recall_list = _float_list("--hots", hots), _float_list("--recalls", recalls)
     page_sizes = _int_list("page", pages)  # checked before the grid runs, not after
-    summary = recall.run_quality(runner, list(range(500, 500 + n_sessions)), hot_list, recall_list, max_new_tokens,
-                                 results, selectors=chosen, log=log) if n_sessions else {}
     lengths = _int_list("cost-lengths", cost_lengths) if cost_lengths.strip() else []
-    cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=log) if lengths else {}
-    result = {"benchmark": "recall", "model": model, "dtype": dtype, "summary": summary, "cost": cost}
-    if selection:
-        ratio = max(recall_list)
-        specs = {}
-        for name in chosen:
-            for size in page_sizes if name == "pages" else [None]:
-                extra = {} if size is None else {"page": size}
-                specs[f"{name}{'' if size is None else size}"] = RecallConfig.make(ratio=ratio, selector=name, **extra)
-        result["selection"] = recall.run_selection(runner, list(range(500, 500 + max(n_sessions, 1))), max(hot_list),
-                                                   ratio, max_new_tokens, specs, log=log)
+    runner = quality.load_runner(model, dtype)
+    with progress.task(f"bench recall: {n_sessions} session(s)") as shown:
+        summary = recall.run_quality(runner, list(range(500, 500 + n_sessions)), hot_list, recall_list,
+                                     max_new_tokens, results, selectors=chosen, log=shown.log) if n_sessions else {}
+        cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=shown.log,
+                               selectors=chosen) if lengths else {}
+        result = {"benchmark": "recall", "model": model, "dtype": dtype, "summary": summary, "cost": cost}
+        if selection:
+            ratio = max(recall_list)
+            specs = {}
+            for name in (c for c in chosen if "+" not in c):  # the selectors' own ranking (mass needs a whole step)
+                for size in page_sizes if name == "pages" else [None]:
+                    extra = {} if size is None else {"page": size}
+                    specs[f"{name}{'' if size is None else size}"] = RecallConfig.make(ratio=ratio, selector=name,
+                                                                                      **extra)
+            result["selection"] = recall.run_selection(runner, list(range(500, 500 + max(n_sessions, 1))),
+                                                       max(hot_list), ratio, max_new_tokens, specs, log=shown.log)
 
     def table(res: dict) -> str:
         return "\n\n".join(t for t in (recall.quality_table(res["summary"]) if res["summary"] else "",
