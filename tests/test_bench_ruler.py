@@ -167,3 +167,37 @@ def test_a_shared_prefix_equals_one_prefill_of_the_whole_prompt():
         assert a.state.cache_lengths() == b.state.cache_lengths()
         assert [p.tolist() for p in a.state.positions] == [p.tolist() for p in b.state.positions]
     assert prefix.state.next_position == 70 and whole[1].state.cache_lengths()[0] < 90
+
+
+def test_recall_methods_parse_and_bad_ones_are_named():
+    assert ruler.split_recall("snapkv") == ("snapkv", None)
+    assert ruler.split_recall("adakv+r0.1:lowrank+mass") == ("adakv", {"ratio": 0.1, "selector": "lowrank",
+                                                                        "reduce": "mass"})
+    assert ruler.split_recall("snapkv+r0.05") == ("snapkv", {"ratio": 0.05, "selector": "exact"})
+    for ok in ("snapkv", "snapkv+r0:exact", "pyramid+r0.1:exact+mass+layer"):
+        ruler.check_method(ok)
+    for bad, said in (("nope", "one of"), ("full+r0.1", "not on full"), ("snapkv+r2", "ratio"),
+                      ("snapkv+rx", "could not convert"), ("snapkv+r0.1:pages+mass", "ranks pages")):
+        with pytest.raises(ValueError, match=said):
+            ruler.check_method(bad)
+    res = CliRunner().invoke(main, ["bench", "ruler", "--methods", "snapkv+r0.1:nope", "--json"])
+    assert res.exit_code == 2 and "--methods" in res.output and "Traceback" not in res.output
+
+
+def test_recalling_every_cold_slot_answers_as_the_full_cache(runner, tmp_path):
+    """Query-agnostic on a tier, the question's prefill attends to hot and cold and each decode step recalls
+    every cold slot: full attention throughout, so the reply equals the full cache's (fp32); the tier alone
+    (recall 0) differs from SnapKV only in that prefill. Multi-turn/tiered sessions take recall from the policy;
+    multi-turn/untiered has no tier and runs no recall variant."""
+    result = _run(runner, tmp_path / "r.jsonl", n=2, budgets=[0.2], max_new_tokens=6,
+                  settings=["query-agnostic", "multi-turn"], methods=["snapkv", "snapkv+r1.0:exact", "snapkv+r0:exact"])
+    rows = ruler.load_rows(str(tmp_path / "r.jsonl"))
+    by = {(r["setting"], r["variant"], r["item"]): r for r in rows}
+    assert result["computed"] == len(rows) == 2 * (4 + 4 + 2)  # agnostic and tiered: 4 variants; untiered: 2
+    for item in range(2):
+        agn = by[("query-agnostic", "snapkv+r1.0:exact@0.2", item)]
+        assert agn["same_as_full"] and agn["recall"]["steps"] > 0 and agn["recall"]["recalled_per_step"] > 0
+        assert by[("query-agnostic", "snapkv+r0:exact@0.2", item)]["recall"]["recalled_per_step"] == 0
+        assert by[("multi-turn/tiered", "snapkv+r1.0:exact@0.2", item)]["same_as_full"]
+        assert ("multi-turn/untiered", "snapkv+r1.0:exact@0.2", item) not in by
+    assert by[("query-agnostic", "snapkv@0.2", 0)]["kept"] < by[("query-agnostic", "full", 0)]["prompt_tokens"]

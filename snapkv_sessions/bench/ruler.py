@@ -24,9 +24,11 @@ import json
 import os
 import time
 
-from ..config import CompressionConfig
+from ..config import CompressionConfig, RecallConfig
+from ..errors import ConfigError
 from ..generation import GenerationConfig
 from .knee import knee_cell
+from .recall import recall_spec
 from .ruler_data import Item, encode, generate, metric, render, score, task_table
 from .variants import Prefix, compressed_variants
 
@@ -37,10 +39,33 @@ FIRST_TURN_TOKENS = 8  # the reply to the context turn of the multi-turn setting
 
 
 def method_fields(method: str) -> dict:
-    """The compression fields of each method, besides budget and window."""
+    """The compression fields of each method, besides budget and window (a recall suffix left aside)."""
     return {"snapkv": {}, "lines": {"span_aware": True, "span_unit": "line"},
             "sentences": {"span_aware": True, "span_unit": "sentence"}, "pyramid": {"strategy": "pyramid"},
-            "adakv": {"allocator": "adakv"}, "streaming": {"method": "streaming"}}[method]
+            "adakv": {"allocator": "adakv"}, "streaming": {"method": "streaming"}}[split_recall(method)[0]]
+
+
+def split_recall(method: str) -> tuple[str, dict | None]:
+    """A method with decode-time recall, ``METHOD+rRATIO[:SPEC]`` (``snapkv+r0.1:exact+mass``: the hot set chosen
+    by snapkv, each decode step also recalling 10% of the context from the tier, the slots ranked by SPEC, a
+    selector spec of ``bench recall``), into the method and its ``memory.recall`` keys (None: no recall)."""
+    base, sep, rest = method.partition("+r")
+    if not sep:
+        return method, None
+    ratio, _, spec = rest.partition(":")
+    return base, {"ratio": float(ratio), **recall_spec(spec or "exact")}
+
+
+def check_method(method: str) -> None:
+    """Raise ValueError naming what is wrong with a ``--methods`` entry."""
+    try:
+        base, recall = split_recall(method)
+        if base not in METHODS or (recall is not None and base == "full"):
+            raise ValueError(f"the method is one of {list(METHODS)}, with recall '+rRATIO[:SELECTOR]' (not on full)")
+        if recall is not None:
+            RecallConfig.make(**recall)
+    except (ValueError, ConfigError) as exc:
+        raise ValueError(f"{method[:80]!r}: {exc}") from None
 
 
 def variant(method: str, budget: float | None) -> str:
@@ -127,8 +152,9 @@ def run(runner, model: str, tasks: list[str], lengths: list[int], n: int, budget
                 for setting in sub_settings(settings):
                     base = {"model": model, "dtype": dtype, "window": window, "task": task, "length": length,
                             "item": item.index, "setting": setting}
-                    missing = [v for v in wanted if row_key({**base, "variant": v}) not in store.keys]
-                    reused += len(wanted) - len(missing)
+                    here = [v for v in wanted if setting != "multi-turn/untiered" or not _recall_config(v)]
+                    missing = [v for v in here if row_key({**base, "variant": v}) not in store.keys]
+                    reused += len(here) - len(missing)
                     if not missing:
                         continue
                     cell = {"base": base, "item": item, "mnt": mnt, "window": window, "store": store}
@@ -176,34 +202,50 @@ def _singles(runner, item: Item, window: int, cells: dict[str, tuple[dict, list[
     tok = runner.tokenizer
     ctx, question = prompt_ids(tok, item)
     cut = max(len(ctx) - window, 0)
-    prefix = Prefix.of(runner, ctx[:cut])
-    for setting, (cell, names) in cells.items():
+    recalling = {n: _recall_config(n) for settings_names in cells.values() for n in settings_names[1]}
+    prefixes = {tiered: Prefix.of(runner, ctx[:cut], tiered=tiered)  # a tiered copy only for recall variants
+                for tiered in {rc is not None for rc in recalling.values()}}
+    for setting, (cell, all_names) in cells.items():
         agnostic = setting == "query-agnostic"
         gen = GenerationConfig(max_new_tokens=cell["mnt"])
-        configs = [_config(n, window) for n in names]
         rest = ctx[cut:] if agnostic else ctx[cut:] + question
-        for name, var in zip(names, compressed_variants(runner, rest, window, configs, prefix), strict=True):
-            logits, q_ms = var.logits, 0.0
-            if agnostic:  # the question arrives after compression
+        for tiered, prefix in prefixes.items():
+            names = [n for n in all_names if (recalling[n] is not None) == tiered]
+            configs = [_config(n, window) for n in names]
+            for name, var in zip(names, compressed_variants(runner, rest, window, configs, prefix), strict=True):
+                if tiered:
+                    var.state.cache.recall_config = recalling[name]  # what each decode step recalls
+                logits, q_ms = var.logits, 0.0
+                if agnostic:  # the question arrives after compression, onto the hot cache (as SnapKV alone)
+                    t = time.perf_counter()
+                    logits, _ = runner.prefill(var.state, question)
+                    q_ms = (time.perf_counter() - t) * 1e3
+                var.state.cache.prefill_done(var.state)  # the decode's recall starts here
                 t = time.perf_counter()
-                logits, _ = runner.prefill(var.state, question)
-                q_ms = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            out = list(runner.generate(var.state, logits, gen))
-            decode_ms = (time.perf_counter() - t) * 1e3
-            text = tok.decode(out, skip_special_tokens=True)
-            rep = var.report
-            cell["store"].add(_row(cell, name, out, text, item.outputs, score(item.task, text, item.outputs),
-                                   len(ctx) + len(question), prefill_ms=round(var.prefill_ms, 1),
-                                   question_prefill_ms=round(q_ms, 1), decode_ms=round(decode_ms, 1),
-                                   compress_ms=round(rep.select_ms + rep.gather_ms, 1) if rep else 0.0,
-                                   kept=round(sum(rep.tokens_after) / len(rep.tokens_after)) if rep else None))
+                out = list(runner.generate(var.state, logits, gen))
+                decode_ms = (time.perf_counter() - t) * 1e3
+                figures = var.state.cache.decode_done(var.state) if tiered else None
+                text = tok.decode(out, skip_special_tokens=True)
+                rep = var.report
+                cell["store"].add(_row(cell, name, out, text, item.outputs, score(item.task, text, item.outputs),
+                                       len(ctx) + len(question), prefill_ms=round(var.prefill_ms, 1),
+                                       question_prefill_ms=round(q_ms, 1), decode_ms=round(decode_ms, 1),
+                                       compress_ms=round(rep.select_ms + rep.gather_ms, 1) if rep else 0.0,
+                                       kept=round(sum(rep.tokens_after) / len(rep.tokens_after)) if rep else None,
+                                       recall=figures))
+
+
+def _recall_config(name: str) -> RecallConfig | None:
+    recall = split_recall(name.split("@")[0])[1]
+    return None if recall is None else RecallConfig.make(**recall)
 
 
 def session_policy(name: str, window: int, tiered: bool):
     from ..policy import Policy
 
     memory = {"cold": True, "on_shift": "tier"} if tiered else {"cold": False}
+    if tiered and name != "full":
+        memory["recall"] = split_recall(name.split("@")[0])[1]  # None: no recall
     if name == "full":
         return Policy.from_dict({"name": "full", "compression": {"budget": 32768, "window": window},
                                  "drift": {"embedder": "none"}, "memory": {"cold": False}})

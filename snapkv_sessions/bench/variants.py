@@ -34,8 +34,9 @@ class Prefix:
     ms: float  # its prefill time, counted in every prompt that continues it
 
     @classmethod
-    def of(cls, runner: ModelRunner, ids: Sequence[int]) -> Prefix:
-        state = runner.new_state()
+    def of(cls, runner: ModelRunner, ids: Sequence[int], tiered: bool = False) -> Prefix:
+        """``tiered``: a state whose compressions keep what they evict in a host tier (decode-time recall reads it)."""
+        state = runner.new_state(tiered=tiered)
         t0 = time.perf_counter()
         if ids:
             runner.prefill(state, ids)
@@ -50,11 +51,16 @@ def compressed_variants(runner: ModelRunner, ids: Sequence[int], window: int,
     prefill instead of one per budget (36 s per 4K tokens on the quality model). With ``prefix``, ``ids`` are
     prefilled onto a copy of its (uncompressed) state, so several prompts sharing a long beginning pay for it once.
     """
-    base = copy.deepcopy(prefix.state) if prefix is not None else runner.new_state()
+    base = _copy(prefix.state) if prefix is not None else runner.new_state()
     t0 = time.perf_counter()
     logits, probe = runner.prefill(base, ids, window=window)
     prefill_ms = (time.perf_counter() - t0) * 1e3 + (prefix.ms if prefix is not None else 0.0)
     for cfg in configs:
-        state = copy.deepcopy(base)
+        state = _copy(base)
         report = runner.compress(state, cfg, probe) if cfg is not None else None
         yield Variant(cfg, state, logits, report, prefill_ms)
+
+
+def _copy(state: KVState) -> KVState:
+    """An independent copy: a tiered state clones (its cold layers shared, never written in place), others deep."""
+    return state.clone() if hasattr(state.cache, "cold") else copy.deepcopy(state)

@@ -471,10 +471,16 @@ def bench_ruler(model, tasks, lengths, n_items, budgets, settings, methods, wind
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     chosen = {"settings": [s.strip() for s in settings.split(",") if s.strip()],
               "methods": [m.strip() for m in methods.split(",") if m.strip()]}
-    for opt, known in (("settings", ruler.SETTINGS), ("methods", ruler.METHODS)):
-        bad = [x for x in chosen[opt] if x not in known]
-        if bad or not chosen[opt]:
-            raise click.BadParameter(f"{bad[0] if bad else ''!r}: one of {list(known)}", param_hint=f"--{opt}")
+    bad = [x for x in chosen["settings"] if x not in ruler.SETTINGS]
+    if bad or not chosen["settings"]:
+        raise click.BadParameter(f"{bad[0] if bad else ''!r}: one of {list(ruler.SETTINGS)}", param_hint="--settings")
+    if not chosen["methods"]:
+        raise click.BadParameter(f"'': one of {list(ruler.METHODS)}", param_hint="--methods")
+    for method in chosen["methods"]:
+        try:
+            ruler.check_method(method)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--methods") from None
     try:
         ratios = [float(b) for b in budgets.split(",") if b.strip()]
     except ValueError:
