@@ -137,10 +137,10 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
 
 
 def quality_table(summary: dict) -> str:
-    head = f"{'condition':<22} {'turns':>5} {'acc':>6} {'=full':>6} {'device':>7} {'recall/step':>11} {'repeat':>7}"
+    head = f"{'condition':<28} {'turns':>5} {'acc':>6} {'=full':>6} {'device':>7} {'recall/step':>11} {'repeat':>7}"
     lines = [head, "-" * len(head)]
     for name, c in summary.items():
-        lines.append(f"{name:<22} {c['turns']:>5} {c['accuracy']:>6.2f} {c['equal_to_full'] or 0:>6.2f} "
+        lines.append(f"{name:<28} {c['turns']:>5} {c['accuracy']:>6.2f} {c['equal_to_full'] or 0:>6.2f} "
                      f"{c['device_bytes_share']:>7.2f} {c['recalled_per_step'] or 0:>11} {c['repeat_rate'] or 0:>7}")
     return "\n".join(lines)
 
