@@ -103,3 +103,13 @@ def test_b_star_and_its_interval():
 def test_quality_methods_option_is_checked():
     res = CliRunner().invoke(main, ["bench", "quality", "--methods", "snapkv,nope"])
     assert res.exit_code == 2 and "nope" in res.output and "adakv" in res.output and "Traceback" not in res.output
+
+
+def test_tier_recall_is_the_tiered_session_with_decode_recall():
+    from snapkv_sessions.bench.quality import RECALL, method_policy
+    from snapkv_sessions.config import RecallConfig
+
+    tiered, recall = method_policy("tiered", 0.2, 16), method_policy("tier-recall", 0.2, 16)
+    assert recall.tiered and recall.memory.recall == RecallConfig.make(**RECALL)
+    assert tiered.memory.recall is None
+    assert recall.compression == tiered.compression and recall.pins == tiered.pins and recall.drift == tiered.drift

@@ -27,7 +27,10 @@ from .shift import SYSTEM, agreement, first_turn, is_correct, is_degenerate, mak
 RULE = 'Always reply with JSON of the form {"answer": "..."}.'
 COPY_PASS = 0.9  # a copy counts as right when it reproduces at least this share of the line's words, in order
 ROLE_SPLITS = ("system", "developer", "tool_schema", "user", "document")
-METHODS = ("full", "session", "tiered", "every", "streaming", "snapkv", "adakv", "tier-adakv")
+METHODS = ("full", "session", "tiered", "every", "streaming", "snapkv", "adakv", "tier-adakv", "tier-recall")
+# tier-recall's second stage: each decode step also recalls 10% of the context from the tier, lowrank-ranked by
+# attention mass (the best measured on bench recall; docs/tiered-memory.md)
+RECALL = {"ratio": 0.1, "selector": "lowrank", "reduce": "mass"}
 
 
 def method_policy(method: str, ratio: float, window: int) -> Policy:
@@ -53,6 +56,8 @@ def method_policy(method: str, ratio: float, window: int) -> Policy:
                   "memory": no_tier},
         "tier-adakv": {**session, "compression": {**comp, "allocator": "adakv"},
                          "memory": {"cold": True, "on_shift": "tier"}},
+        # the tiered session whose decode also recalls from the tier (two-stage attention)
+        "tier-recall": {**session, "memory": {"cold": True, "on_shift": "tier", "recall": RECALL}},
     }
     return Policy.from_dict({"name": method, **specs[method]})
 
