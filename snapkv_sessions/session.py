@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TypedDict, Unpack
 
-from . import forks
+from . import forks, stats
 from .admission import Admission, AdmissionError
 from .chat import Message
 from .drift import Assessment, decide_turn
@@ -260,7 +260,8 @@ class Session(SessionSync):
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
         lost = next((payload["reason"] for kind, payload in out.events if kind == "tier_lost"), None)
-        reason = (f"tier lost: {lost}" if lost else "drift") if out.decision == "reprefill" else None
+        reason = ((f"{stats.REPREFILL_TIER_LOST}: {lost}" if lost else stats.REPREFILL_DRIFT)
+                  if out.decision == "reprefill" else None)
         emit_turn(self.id, turn, self.model_id, out.decision, reason, plan, result, state, replay=False)
         self.last_reply = Reply.of_turn(self.id, turn, text.text, plan, result.tokens, (decode_tokens, pending),
                                         kept_per_role, out.timings, result.stop_reason, report=report,

@@ -9,7 +9,8 @@ listens registers a :class:`StatSink`:
 * :class:`Counter` aggregates in memory (the tests and the bench commands read it);
 * :class:`LogSink` writes one structured log record per turn, fault and tier loss (with :class:`JsonFormatter`,
   one JSON line each);
-* a metrics exporter (Prometheus, OpenTelemetry) is one more sink, added without touching the engine.
+* a metrics exporter is one more sink, added without touching the engine (Prometheus:
+  :class:`snapkv_sessions.serve.metrics.PrometheusSink`, behind the server's ``GET /metrics``).
 
 So metrics, logs and tests share one bookkeeping, and the engine never knows who listens. Three rules keep the
 stream safe to call from the hot path:
@@ -48,11 +49,16 @@ __all__ = [
     "CompressionStat",
     "Counter",
     "DecodeStepStat",
+    "QueueStat",
+    "REPREFILL_AS_RECORDED",
+    "REPREFILL_DRIFT",
+    "REPREFILL_TIER_LOST",
     "FaultStat",
     "JsonFormatter",
     "LogSink",
     "SchedulerStepStat",
     "Stat",
+    "RequestStat",
     "StatSink",
     "TierEvent",
     "TurnStat",
@@ -62,6 +68,7 @@ __all__ = [
     "emit",
     "registered",
     "remove_sink",
+    "reprefill_cause",
     "sinks",
     "stat_kind",
 ]
@@ -253,7 +260,76 @@ class FaultStat:
             object.__setattr__(self, "detail", self.detail[: FAULT_DETAIL_LIMIT - 3] + "...")
 
 
-Stat = TurnStat | CompressionStat | DecodeStepStat | TierEvent | SchedulerStepStat | FaultStat
+# Why a turn re-prefilled (TurnStat.reprefill_reason starts with one of these; a lost tier adds its own text after
+# a colon). Named here so that the session writing a reason and a sink labelling it by its cause share one list.
+REPREFILL_DRIFT = "drift"
+REPREFILL_TIER_LOST = "tier lost"
+REPREFILL_AS_RECORDED = "as recorded"  # a replayed turn that re-prefilled when it ran live
+_REPREFILL_CAUSES = (REPREFILL_DRIFT, REPREFILL_TIER_LOST, REPREFILL_AS_RECORDED)
+
+
+def reprefill_cause(reason: str | None) -> str | None:
+    """The bounded cause of a :attr:`TurnStat.reprefill_reason` (``"drift"``, ``"tier_lost"``,
+    ``"as_recorded"``, ``"other"``; None when the turn did not re-prefill): a label a metric may carry, where the
+    reason itself holds free text."""
+    if reason is None:
+        return None
+    head = reason.split(":", 1)[0].strip()
+    return head.replace(" ", "_") if head in _REPREFILL_CAUSES else "other"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStat:
+    """One chat completion request of the server, once its response has ended (emitted by the HTTP layer, the one
+    place that sees a request from arrival to its last byte).
+
+    Attributes
+    ----------
+    status: the HTTP status the request was answered with; for a stream that had opened (200) and then ended with
+        an error event, that error's status; 499 when the client left before its response ended (nginx's code)
+    code: ``"ok"``, or the error's code as the client was told it (``"queue_full"``, ``"deadline_exceeded"``,
+        ``"shutting_down"``, ``"invalid_value"``, ...; a bounded set written by the server, never client text) and
+        ``"client_disconnected"`` for a 499
+    stopped: why a request whose turn had started running was stopped before its reply (``"deadline"``,
+        ``"shutdown"``, ``"client_left"``): its turn is abandoned; None otherwise
+    stream: whether the client asked for a stream
+    finish_reason: ``"stop"``, ``"length"`` or ``"tool_calls"`` for a reply, None otherwise
+    queue_s: seconds the request waited in the server's queue before a worker started it (None: never started)
+    ttft_s: seconds from the request's arrival to the first piece of its reply (None: no reply began)
+    decode_s: seconds from that first piece to the reply's end (its commit); None without a reply
+    e2e_s: seconds from the request's arrival to the end of its response
+    prompt_tokens, completion_tokens: the usage the client was told (0 without a reply)
+    """
+
+    status: int
+    code: str
+    stopped: str | None
+    stream: bool
+    finish_reason: str | None
+    queue_s: float | None
+    ttft_s: float | None
+    decode_s: float | None
+    e2e_s: float
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStat:
+    """The server's requests now, emitted by its worker each time one is queued, started or ends.
+
+    Attributes
+    ----------
+    running: requests whose job runs on a worker thread (prefilling, decoding or committing)
+    waiting: requests in the queue, not started yet
+    """
+
+    running: int
+    waiting: int
+
+
+Stat = (TurnStat | CompressionStat | DecodeStepStat | TierEvent | SchedulerStepStat | FaultStat | RequestStat
+        | QueueStat)
 
 _KINDS: dict[type, str] = {
     TurnStat: "turn",
@@ -262,12 +338,15 @@ _KINDS: dict[type, str] = {
     TierEvent: "tier",
     SchedulerStepStat: "scheduler_step",
     FaultStat: "fault",
+    RequestStat: "request",
+    QueueStat: "queue",
 }
 
 
 def stat_kind(stat: Stat) -> str:
     """The stat's kind as a short name (``"turn"``, ``"compression"``, ``"decode_step"``, ``"tier"``,
-    ``"scheduler_step"``, ``"fault"``): the key in :meth:`Counter.to_dict` and the ``stat_type`` of a log record."""
+    ``"scheduler_step"``, ``"fault"``, ``"request"``, ``"queue"``): the key in :meth:`Counter.to_dict` and the
+    ``stat_type`` of a log record."""
     return _KINDS.get(type(stat)) or type(stat).__name__
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from . import stats
 from .chat import Message
 from .drift import DriftMonitor
 from .generation import GenerationConfig
@@ -128,6 +129,6 @@ class SessionSync(SessionMessages):
         finally:
             self._tier_done()
         emit_turn(self.id, rec.turn, self.model_id, rec.drift_decision or "kept",
-                  "as recorded" if plan.reprefill else None, plan, result, self.state, replay=True)
+                  stats.REPREFILL_AS_RECORDED if plan.reprefill else None, plan, result, self.state, replay=True)
         self.transcript.extend_reply(rec.user_seq + 1, reply)
         self.turns_applied = rec.turn

@@ -16,6 +16,10 @@ from . import stats
 from .errors import ConfigError
 from .tier import ColdKV, ColdLayer
 
+# TierEvent.reason of the pool's events (bounded codes: the reason a metric labels spills and losses with)
+MEMORY_LIMIT = "memory_limit"  # the byte cap made the pool spill or drop the least recently used tier
+SPILL_FAILED = "spill_failed"  # the spill of such a tier failed (a full or unwritable disk): it was dropped
+
 
 def default_cap() -> int:
     """A quarter of the host's physical memory (2 GiB when it cannot be read)."""
@@ -107,16 +111,18 @@ class TierPool:
                     continue
                 held = (cold.nbytes, _slots(cold))
                 reason = f"evicted by the cold tier's byte cap ({self.max_bytes} bytes, least recently used)"
+                # the session records the whole sentence (cold.lost); the stream gets a bounded code, which a
+                # metric may carry as a label
                 if self.spill_dir is not None:
                     try:
                         _spill(cold, self.spill_dir)
-                        _event("spilled", cold, reason, held)
+                        _event("spilled", cold, MEMORY_LIMIT, held)
                     except (OSError, RuntimeError) as exc:  # a full or unwritable disk: drop it instead
                         cold.drop(f"{reason}; its spill failed ({type(exc).__name__}: {str(exc)[:200]})")
-                        _event("lost", cold, cold.lost, held)
+                        _event("lost", cold, SPILL_FAILED, held)
                 else:
                     cold.drop(reason)
-                    _event("lost", cold, reason, held)
+                    _event("lost", cold, MEMORY_LIMIT, held)
                 evicted.append(cold)
         return evicted
 

@@ -60,12 +60,14 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--warm-tokens", default=1024, show_default=True,
               help="Before taking requests, serve a throwaway session with a document of this many tokens so the "
                    "first request is as fast as the second (0: no warm start).")
+@click.option("--metrics-need-key", is_flag=True,
+              help="GET /metrics asks for the API key too (default: open, as vLLM's; /health and /ready always are).")
 @click.option("--no-fork-boundaries", is_flag=True,
               help="Keep no turn boundaries: a conversation sent again at once forks by re-prefilling its history.")
 @clean_errors
 def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
           max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
-          warm_tokens, no_fork_boundaries) -> None:
+          warm_tokens, no_fork_boundaries, metrics_need_key) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
@@ -103,7 +105,8 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
             shown.log(service.warm(warm_tokens).line())
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
                                            max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
-                                           docs=docs, shutdown_grace_s=shutdown_grace))
+                                           docs=docs, shutdown_grace_s=shutdown_grace,
+                                           metrics_need_key=metrics_need_key))
     click.echo(f"serving {service.model_name} ({ModelSpec.parse(service.model_id).dtype}) on http://{host}:{port}/v1",
                err=True)
     run_server(app, host, port, shutdown_grace)

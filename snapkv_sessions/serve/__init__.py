@@ -7,6 +7,7 @@ from __future__ import annotations
 
 try:
     import fastapi  # noqa: F401
+    import prometheus_client  # noqa: F401
     import sse_starlette  # noqa: F401
     import uvicorn  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised only without the extra

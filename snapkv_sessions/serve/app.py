@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, and the session endpoints ``GET /v1/sessions``,
 ``GET /v1/sessions/{id}``, ``POST /v1/sessions/{id}/verify``, ``POST /v1/sessions/{id}/fork``,
-``DELETE /v1/sessions/{id}``. Every error is OpenAI's error body with the right status: 400 for a bad field
+``DELETE /v1/sessions/{id}``; for operators ``GET /health`` (liveness), ``GET /ready`` (readiness) and
+``GET /metrics`` (Prometheus, :mod:`.metrics`), outside ``/v1`` and without the API key (a probe sends none).
+Every error is OpenAI's error body with the right status: 400 for a bad field
 (named in ``param``), 401 without a valid key, 404 for a session the caller does not own, 409 when a named session
 does not continue, 413 for a body past ``max_body_bytes``, 429 when the queue is full (with ``Retry-After``), 503
 while shutting down, 504 past the deadline.
@@ -21,17 +23,22 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import stats
 from ..errors import ConfigError, SnapKVError
 from ..store import StoreError, StoreUnavailable
 from . import protocol
+from .metrics import PrometheusSink
 from .service import Conflict, NotFound, Service, TurnOutput, TurnRequest, at_least, owner_of
 from .worker import Busy, DeadlineExceeded, Job, ShuttingDown, Worker
 
 SESSION_HEADER = "X-Session-Id"
+OPERATOR_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapes: every few seconds, not logged
+CLIENT_LEFT = 499  # the status a request is counted with when its client left first (nginx's code)
 log = logging.getLogger("snapkv_sessions.serve")
 
 
@@ -43,7 +50,7 @@ class RequestLog:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in OPERATOR_PATHS:
             await self.app(scope, receive, send)
             return
         t0, seen = time.perf_counter(), {"status": 500, "session": "-"}
@@ -69,7 +76,9 @@ class ServeOptions:
 
     max_messages: messages one request may carry (400 past it, before any is validated); docs: serve ``/docs``,
     ``/redoc`` and ``/openapi.json`` (behind the key when keys are set); shutdown_grace_s: after SIGTERM, how long
-    running turns may finish before they are stopped (their clients get 503, their turns are abandoned).
+    running turns may finish before they are stopped (their clients get 503, their turns are abandoned);
+    metrics_need_key: ``GET /metrics`` asks for the API key too (off by default, as vLLM's: a Prometheus scrape
+    usually sends none, and the metrics carry no session id, key or content).
     """
 
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no keys (local use)
@@ -79,6 +88,7 @@ class ServeOptions:
     max_messages: int = 1024
     docs: bool = False
     shutdown_grace_s: float = 10.0
+    metrics_need_key: bool = False
 
     def __post_init__(self) -> None:
         at_least(self, {"max_queue": 1, "max_body_bytes": 1, "max_messages": 1})
@@ -182,22 +192,86 @@ def end_chunks(end: dict, req: protocol.ChatCompletionRequest, cid: str) -> list
     return [*chunks, "[DONE]"]
 
 
+class RequestTrack:
+    """One chat completion request from its arrival to the end of its response, emitted once as a
+    :class:`~snapkv_sessions.stats.RequestStat` (the serving figures of ``GET /metrics``).
+
+    Its methods are called by the request path where each thing happens: :meth:`first_piece` when the turn's first
+    piece is decoded (on the worker thread), :meth:`reply_done` when the reply is whole, :meth:`ok` or
+    :meth:`failed` when the response has ended; only the first end counts."""
+
+    def __init__(self) -> None:
+        self.arrived = time.monotonic()
+        self.stream = False
+        self.job: Job | None = None
+        self.first: float | None = None
+        self.last: float | None = None
+        self.done = False
+
+    def first_piece(self, _session_id: str | None = None) -> None:
+        if self.first is None:
+            self.first = time.monotonic()
+
+    def reply_done(self) -> None:
+        if self.last is None:
+            self.last = time.monotonic()
+
+    def ok(self, out: TurnOutput) -> None:
+        self._end(200, "ok", out)
+
+    def failed(self, exc: BaseException) -> None:
+        """The response ended without a reply: ``exc`` as the client was told it (a CancelledError: it left)."""
+        if isinstance(exc, asyncio.CancelledError):
+            self._end(CLIENT_LEFT, "client_disconnected", None)
+        else:
+            err = as_api_error(exc)
+            self._end(err.status, err.code or err.kind, None)
+
+    def _end(self, status: int, code: str, out: TurnOutput | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if not stats.active():
+            return
+        now, job = time.monotonic(), self.job
+        started = job.started if job is not None else None
+        # a request that failed after its job started had its turn stopped (abandoned): say why, when the job knows
+        stopped = job.stop_cause() if job is not None and started is not None and out is None else None
+        first = self.first if out is not None else None
+        stats.emit(stats.RequestStat(
+            status=status, code=code, stopped=stopped, stream=self.stream,
+            finish_reason=out.finish if out is not None else None,
+            queue_s=None if started is None else started - job.submitted,
+            ttft_s=None if first is None else first - self.arrived,
+            decode_s=None if first is None else (self.last or now) - first,
+            e2e_s=now - self.arrived,
+            prompt_tokens=out.reply.prompt_tokens if out is not None else 0,
+            completion_tokens=out.reply.completion_tokens if out is not None else 0))
+
+
 def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI:
     options = options or ServeOptions()
     worker: Worker | None = None
+    # this app's metrics: fed by the stats stream while the app runs (process-wide: every session of the process)
+    metrics = PrometheusSink(service.model_name, service.scheduler.pool.size if service.scheduler is not None else 0)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         nonlocal worker
+        remove_sink = stats.add_sink(metrics)
         worker = Worker(options.max_queue, threads=service.threads)
-        yield
-        await asyncio.to_thread(worker.close)  # the running turns finish; waiting ones are refused
-        await asyncio.to_thread(service.close)
-        log.info("stopped")
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.close)  # the running turns finish; waiting ones are refused
+            await asyncio.to_thread(service.close)
+            remove_sink()
+            log.info("stopped")
 
     # the schema pages are off unless asked for, and then behind the key like every route (see below)
     app = FastAPI(title="snapkv-sessions", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
+    app.state.metrics = metrics
     app.add_middleware(RequestLog)
 
     def drain() -> None:
@@ -235,10 +309,12 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     async def read_json(request: Request, required: bool = True) -> object:
         return await read_body(request, options.max_body_bytes, required)
 
-    async def run(fn, job_timeout: float | None = None):
+    async def run(fn, track: RequestTrack | None = None):
         """Run ``fn(job)`` on the worker and wait for it; errors come back as API errors."""
         assert worker is not None
-        job = worker.submit(fn, job_timeout or options.request_timeout_s)
+        job = worker.submit(fn, options.request_timeout_s)
+        if track is not None:
+            track.job = job
         try:
             return await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:
@@ -263,6 +339,37 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
             owner(request)
             return get_redoc_html(openapi_url="/openapi.json", title="snapkv-sessions")
 
+    # ------------------------------------------------------------------ operators (docs/operations.md)
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness: the process answers. No lock, no store, no model: a long turn never delays it."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once the model is loaded and the app started, while the store answers and the server
+        is not draining; else 503 with the reason (``starting``, ``draining``, ``store_unreachable``)."""
+        reason = None
+        if worker is None:
+            reason = "starting"
+        elif worker.closing:
+            reason = "draining"
+        else:
+            try:  # on a thread: the store may take up to its pool timeout to answer, the event loop must not wait
+                await asyncio.wait_for(asyncio.to_thread(service.store.ping), service.store.pool_timeout_s + 1)
+            except Exception:  # noqa: BLE001 - whatever the store says, the answer is "not ready"
+                reason = "store_unreachable"
+        if reason is not None:
+            return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ready", "model": service.model_name})
+
+    @app.get("/metrics")
+    async def scrape(request: Request) -> Response:
+        if options.metrics_need_key:
+            owner(request)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         owner(request)
@@ -271,15 +378,23 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        who = owner(request)
-        req = protocol.parse(await read_json(request), options.max_messages)
-        turn = service.prepare(req, who, request.headers.get(SESSION_HEADER))
-        if req.stream:
-            return await _stream(request, req, turn)
-        out: TurnOutput = await run(lambda job: service.chat(turn, job))
+        track = RequestTrack()
+        try:
+            who = owner(request)
+            req = protocol.parse(await read_json(request), options.max_messages)
+            track.stream = bool(req.stream)
+            turn = service.prepare(req, who, request.headers.get(SESSION_HEADER))
+            if req.stream:
+                return await _stream(request, req, turn, track)  # the stream's own end is tracked inside it
+            out: TurnOutput = await run(lambda job: service.chat(turn, job, track.first_piece), track)
+        except BaseException as exc:  # the client is answered with it (or left: CancelledError); counted first
+            track.failed(exc)
+            raise
+        track.reply_done()
+        track.ok(out)
         return JSONResponse(completion_body(out, req.model), headers={SESSION_HEADER: out.session_id})
 
-    async def _stream(request: Request, req: protocol.ChatCompletionRequest, turn: TurnRequest):
+    async def _stream(request: Request, req: protocol.ChatCompletionRequest, turn: TurnRequest, track: RequestTrack):
         assert worker is not None
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
@@ -289,12 +404,14 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
             loop.call_soon_threadsafe(pieces.put_nowait, text)
 
         def resolved(session_id: str) -> None:
+            track.first_piece()
             loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(session_id))
 
         def work(job: Job) -> TurnOutput | None:
             return service.stream(turn, job, emit, resolved)
 
         job = worker.submit(work, options.request_timeout_s)  # a full queue is a 429 before the stream opens
+        track.job = job
         # the end of the pieces, however the job ends (also when the worker never ran it: deadline, shutdown)
         job.future.add_done_callback(lambda _f: loop.call_soon_threadsafe(pieces.put_nowait, None))
         done = asyncio.wrap_future(job.future)
@@ -323,12 +440,16 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
                         raise job.stopped()
                 except Exception as exc:  # noqa: BLE001 - the stream is open: the error goes in it
                     err = as_api_error(exc)
+                    track.failed(err)
                     yield json.dumps(protocol.error(str(err), err.kind, err.param, err.code))
                     return
+                track.reply_done()
                 for data in end_chunks(stream_end(out), req, cid):
                     yield data
+                track.ok(out)
             finally:
                 job.cancelled.set()  # the client left (or the stream ended): a running turn stops and is abandoned
+                track.failed(asyncio.CancelledError())  # counts only when nothing above ended it: the client left
 
         async def sse() -> AsyncIterator[dict]:
             async for data in events():

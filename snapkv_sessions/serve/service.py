@@ -267,9 +267,10 @@ class Service(Router):
 
     # ------------------------------------------------------------------ requests
 
-    def chat(self, turn: TurnRequest, job: Job) -> TurnOutput:
-        """A whole turn; stopped early (deadline, shutdown) it abandons the turn and raises why."""
-        out = self.stream(turn, job, lambda _text: None)
+    def chat(self, turn: TurnRequest, job: Job, resolved=None) -> TurnOutput:
+        """A whole turn; stopped early (deadline, shutdown) it abandons the turn and raises why. ``resolved``: as
+        :meth:`stream`'s (the HTTP layer times the first piece with it)."""
+        out = self.stream(turn, job, lambda _text: None, resolved)
         if out is None:
             raise job.stopped()
         return out

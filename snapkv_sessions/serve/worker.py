@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from .. import stats
+
 
 class Busy(RuntimeError):
     """The queue is full; retry after ``retry_after`` seconds."""
@@ -44,6 +46,8 @@ class Job:
     future: Future = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     shutdown: threading.Event = field(default_factory=threading.Event)  # stopped because the server is stopping
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None  # time.monotonic() when a worker thread started it; None while it waits
 
     def expired(self) -> bool:
         return time.monotonic() > self.deadline
@@ -51,7 +55,15 @@ class Job:
     def should_stop(self) -> bool:
         """Checked by a running job between steps (tokens): the client left, the deadline passed, or the server
         is stopping."""
-        return self.cancelled.is_set() or self.shutdown.is_set() or self.expired()
+        return self.stop_cause() is not None
+
+    def stop_cause(self) -> str | None:
+        """Why the job should stop (``"shutdown"``, ``"client_left"``, ``"deadline"``), None while it may go on."""
+        if self.shutdown.is_set():
+            return "shutdown"
+        if self.cancelled.is_set():
+            return "client_left"
+        return "deadline" if self.expired() else None
 
     def stopped(self) -> Exception:
         """Why a job that stopped early did: what its client is told."""
@@ -90,33 +102,58 @@ class Worker:
             except queue.Full:
                 waits = self.jobs.qsize() * self.typical_job_s / len(self.threads)
                 raise Busy(max(1, round(waits))) from None
+            self._report()
         return job
+
+    def _report(self) -> None:
+        """The running and waiting requests to the stats stream; called under ``_gate`` after each change, so the
+        last stat emitted is the state now (two changes never report in the opposite order)."""
+        if stats.active():
+            stats.emit(stats.QueueStat(len(self.running), self.jobs.qsize()))
 
     def _loop(self) -> None:
         while True:
             job = self.jobs.get()
             if job is None:
                 return
-            if not job.future.set_running_or_notify_cancel():
-                continue
-            if self.closing:
-                job.future.set_exception(ShuttingDown("the server shut down before this request ran"))
-                continue
-            if job.expired():
-                job.future.set_exception(DeadlineExceeded("the request waited past its deadline"))
-                continue
-            if job.cancelled.is_set():  # its client left while it waited
-                job.future.set_exception(DeadlineExceeded("the client left before the request ran"))
-                continue
+            if job.future.set_running_or_notify_cancel():
+                refused = self._refusal(job)
+                if refused is None:
+                    self._run(job)
+                    continue
+                job.future.set_exception(refused)
+            with self._gate:  # it left the queue without running
+                self._report()
+
+    def _refusal(self, job: Job) -> Exception | None:
+        """Why a job taken from the queue must not start (None: it may)."""
+        if self.closing:
+            return ShuttingDown("the server shut down before this request ran")
+        if job.expired():
+            return DeadlineExceeded("the request waited past its deadline")
+        if job.cancelled.is_set():  # its client left while it waited
+            return DeadlineExceeded("the client left before the request ran")
+        return None
+
+    def _run(self, job: Job) -> None:
+        with self._gate:
+            job.started = time.monotonic()
+            self.running.add(job)
+            self._report()
+        result, error = None, None
+        try:
+            result = job.fn(job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the request that submitted it
+            error = exc
+        finally:
+            # no longer running before its client hears: a scrape after the response never counts it
             with self._gate:
-                self.running.add(job)
-            try:
-                job.future.set_result(job.fn(job))
-            except BaseException as exc:  # noqa: BLE001 - handed to the request that submitted it
-                job.future.set_exception(exc)
-            finally:
-                with self._gate:
-                    self.running.discard(job)
+                self.running.discard(job)
+                self._report()
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
 
     def drain(self, grace_s: float) -> None:
         """Stop taking work at once (SIGTERM): waiting jobs are refused (:class:`ShuttingDown`), running ones may
@@ -131,6 +168,8 @@ class Worker:
                 break
             if job is not None and job.future.set_running_or_notify_cancel():
                 job.future.set_exception(ShuttingDown("the server is shutting down; this request was not started"))
+        with self._gate:
+            self._report()
         timer = threading.Timer(grace_s, self._stop_running)
         timer.daemon = True
         timer.start()

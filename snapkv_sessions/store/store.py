@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, func, insert, make_url, select, update
+from sqlalchemy import create_engine, delete, event, func, insert, make_url, select, text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, NoSuchModuleError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -299,6 +299,13 @@ class SessionStore:
             if not self._server:  # an SQLite file that cannot be opened is not a passing outage
                 raise
             raise self._unavailable(exc) from None
+
+    def ping(self) -> None:
+        """One round trip to the database (``SELECT 1``), as a readiness probe asks. Raises :class:`StoreUnavailable`
+        when no connection can be had within ``pool_timeout_s`` or the server cannot be reached, the database's own
+        error when it answers with one (an SQLite file gone unreadable)."""
+        with self._connect() as conn:
+            conn.execute(text("SELECT 1"))
 
     def _lost(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the server dropping the connection (the server then rolls back what was open)."""

@@ -1,0 +1,229 @@
+"""Prometheus metrics of the server, fed by the stats stream (:mod:`snapkv_sessions.stats`) and nothing else.
+
+:class:`PrometheusSink` is one more stats sink: each stat the engine, the worker and the HTTP layer emit updates a
+few prometheus-client metrics in the sink's own :class:`~prometheus_client.CollectorRegistry` (not the global one,
+so several apps or tests in one process never collide), and ``GET /metrics`` renders that registry. There is no
+second bookkeeping: a figure that is not in the stream is not exported (docs/operations.md lists what is not yet).
+
+Names follow vLLM's where they mean the same (``vllm:time_to_first_token_seconds``, ``vllm:num_requests_running``,
+...), so a dashboard written for vLLM reads them; the others start with ``snapkv:``. Every series carries
+``model_name``; the other labels take values the code writes (a decision, a fault kind, a status and error code,
+a layer index), never a session id, a key or client text, and each label is capped at :data:`LABEL_VALUES`
+distinct values besides ``"other"``, so no workload can grow the number of series without bound.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .. import stats
+
+LABEL_VALUES = 128  # distinct values one label may take before the rest are counted as "other"
+OTHER = "other"
+
+# vLLM's buckets for the same figures (vllm/v1/metrics/loggers.py), so the two servers' histograms compare
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
+SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+BYTES_BUCKETS = tuple(float(4 ** k) for k in range(8, 18))  # 64 KiB .. 16 GiB, a factor of 4 apart
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+class _Vocabulary:
+    """The values each label (named by its metric's use: ``"tier_kind"``, ``"fault_kind"``, ...) has taken; past
+    :data:`LABEL_VALUES` of them, any new value reads as ``"other"``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, set[str]] = {}
+
+    def __call__(self, label: str, value: object) -> str:
+        text = "none" if value is None else str(value)
+        with self._lock:
+            seen = self._seen.setdefault(label, set())
+            if text in seen:
+                return text
+            if len(seen) >= LABEL_VALUES:
+                return OTHER
+            seen.add(text)
+            return text
+
+
+class PrometheusSink:
+    """A stats sink that turns the stream into Prometheus metrics for one served model.
+
+    ``model_name`` labels every series (one model per server process); ``batch_slots`` is the server's decode
+    slots (0: one turn at a time), exported so that batch occupancy reads as ``snapkv:scheduler_running`` over it.
+    Register it with :func:`stats.add_sink`; render :attr:`registry` with ``prometheus_client.generate_latest``.
+    """
+
+    def __init__(self, model_name: str, batch_slots: int = 0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self._label = _Vocabulary()
+        r, m = self.registry, ["model_name"]
+
+        # ---- requests (RequestStat, QueueStat: the HTTP layer and the worker)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Seconds from a request's arrival to the first "
+                              "piece of its reply.", m, registry=r, buckets=TTFT_BUCKETS)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Seconds from a request's arrival to the end of "
+                             "its response, whatever its outcome.", m, registry=r, buckets=LATENCY_BUCKETS)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Seconds a started request waited in the queue.",
+                               m, registry=r, buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Seconds per output token after the "
+                              "first, per request with two or more.", m, registry=r, buckets=TPOT_BUCKETS)
+        self.success = Counter("vllm:request_success", "Requests answered with a reply, by finish reason.",
+                               [*m, "finished_reason"], registry=r)
+        self.failed = Counter("snapkv:request_errors", "Requests answered without a reply, by HTTP status and "
+                              "error code (499: the client left).", [*m, "status", "code"], registry=r)
+        self.stopped = Counter("snapkv:requests_stopped", "Requests stopped after their turn started (the turn "
+                               "abandoned), by cause.", [*m, "cause"], registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests running on a worker thread.", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the queue.", m, registry=r)
+
+        # ---- turns (TurnStat: every turn of a session in this process)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of live turns (the new messages, "
+                                     "templated).", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated by live turns.", m, registry=r)
+        self.prefilled_tokens = Counter("snapkv:prefilled_tokens", "Tokens run through the model by a prefill, "
+                                        "history fed again included.", [*m, "replay"], registry=r)
+        self.turns = Counter("snapkv:turns", "Turns run, by drift decision.", [*m, "decision", "replay"], registry=r)
+        self.reprefills = Counter("snapkv:reprefills", "Live turns that re-prefilled their history, by cause.",
+                                  [*m, "cause"], registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Seconds of a live turn's prefill.", m,
+                                      registry=r, buckets=LATENCY_BUCKETS)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Seconds of a live turn's decode.", m,
+                                     registry=r, buckets=LATENCY_BUCKETS)
+        self.compression_time = Histogram("snapkv:compression_seconds", "Seconds of a live turn's compression.", m,
+                                          registry=r, buckets=TTFT_BUCKETS)
+        self.compression_share = Histogram("snapkv:compression_prefill_ratio", "A live turn's compression time over "
+                                           "its prefill time.", m, registry=r, buckets=SHARE_BUCKETS)
+        self.hot_bytes = Histogram("snapkv:turn_hot_bytes", "Key and value bytes in the hot cache (device) after a "
+                                   "live turn.", m, registry=r, buckets=BYTES_BUCKETS)
+        self.cold_bytes = Histogram("snapkv:turn_cold_bytes", "Key and value bytes in the cold tier (host) after a "
+                                    "live turn.", m, registry=r, buckets=BYTES_BUCKETS)
+        self.recalled = Counter("snapkv:recalled_slots", "Cache slots recalled from the cold tier.", m, registry=r)
+
+        # ---- compressions (CompressionStat)
+        self.compressions = Counter("snapkv:compressions", "SnapKV compressions.", m, registry=r)
+        self.kept_share = Histogram("snapkv:kept_share", "Per compression, one observation per KV head: the share "
+                                    "of the context it kept.", [*m, "layer"], registry=r, buckets=SHARE_BUCKETS)
+        self.history_attention = Histogram("snapkv:window_history_attention", "The observation window's attention "
+                                           "mass on the cache as it was before the prefill.", m, registry=r,
+                                           buckets=SHARE_BUCKETS)
+
+        # ---- decode steps and the scheduler (DecodeStepStat, SchedulerStepStat)
+        self.steps = Counter("snapkv:decode_steps", "Decode steps (a batched step counts once).", m, registry=r)
+        self.step_time = Histogram("snapkv:decode_step_seconds", "Seconds of one decode step's forward.", m,
+                                   registry=r, buckets=TPOT_BUCKETS)
+        self.batch = Histogram("snapkv:decode_batch_size", "Rows (turns) in a decode step.", m, registry=r,
+                               buckets=BATCH_BUCKETS)
+        self.kv_read = Histogram("snapkv:decode_kv_bytes_read", "Key and value bytes one decode step read, all rows "
+                                 "and layers.", m, registry=r, buckets=BYTES_BUCKETS)
+        self.sched_running = Gauge("snapkv:scheduler_running", "Turns decoding in the batch.", m, registry=r)
+        self.sched_waiting = Gauge("snapkv:scheduler_waiting", "Turns decoding but waiting for a batch slot.", m,
+                                   registry=r)
+        self.slots = Gauge("snapkv:batch_slots", "Decode slots of the batch (0: one turn at a time).", m, registry=r)
+        self.slots.labels(model_name).set(batch_slots)
+
+        # ---- the tier and faults (TierEvent, FaultStat)
+        self.tier_events = Counter("snapkv:tier_events", "Tier events: streamed, recalled, lost, spilled, evicted, "
+                                   "restored; lost and spilled by reason.", [*m, "kind", "reason"], registry=r)
+        self.tier_bytes = Counter("snapkv:tier_bytes", "Key and value bytes of tier events, by kind.", [*m, "kind"],
+                                  registry=r)
+        self.faults = Counter("snapkv:faults", "Faults the engine recovered from, by kind.", [*m, "kind"], registry=r)
+
+    # ------------------------------------------------------------------ the sink
+
+    def record(self, stat: stats.Stat) -> None:
+        handler = _HANDLERS.get(type(stat))
+        if handler is not None:
+            handler(self, stat)
+
+    def _request(self, s: stats.RequestStat) -> None:
+        m = self.model_name
+        self.e2e.labels(m).observe(s.e2e_s)
+        if s.queue_s is not None:
+            self.queue.labels(m).observe(s.queue_s)
+        if s.ttft_s is not None:
+            self.ttft.labels(m).observe(s.ttft_s)
+        if s.code == "ok":
+            self.success.labels(m, self._label("finished_reason", s.finish_reason)).inc()
+            if s.decode_s is not None and s.completion_tokens > 1:
+                self.tpot.labels(m).observe(s.decode_s / (s.completion_tokens - 1))
+        else:
+            self.failed.labels(m, self._label("status", s.status), self._label("code", s.code)).inc()
+        if s.stopped is not None:
+            self.stopped.labels(m, self._label("stopped_cause", s.stopped)).inc()
+
+    def _queue(self, s: stats.QueueStat) -> None:
+        self.running.labels(self.model_name).set(s.running)
+        self.waiting.labels(self.model_name).set(s.waiting)
+
+    def _turn(self, s: stats.TurnStat) -> None:
+        m, replay = self.model_name, str(s.replay).lower()
+        self.turns.labels(m, self._label("decision", s.decision), replay).inc()
+        self.prefilled_tokens.labels(m, replay).inc(s.prefilled_tokens)
+        if s.replay:  # a cache rebuilt from the store: no request's tokens, no serving latency
+            return
+        self.prompt_tokens.labels(m).inc(s.prompt_tokens)
+        self.generation_tokens.labels(m).inc(s.decoded_tokens)
+        cause = stats.reprefill_cause(s.reprefill_reason)
+        if cause is not None:
+            self.reprefills.labels(m, self._label("reprefill_cause", cause)).inc()
+        self.prefill_time.labels(m).observe(s.prefill_s)
+        self.decode_time.labels(m).observe(s.decode_s)
+        self.compression_time.labels(m).observe(s.compression_s)
+        if s.prefill_s > 0:
+            self.compression_share.labels(m).observe(s.compression_s / s.prefill_s)
+        self.hot_bytes.labels(m).observe(s.hot_bytes)
+        self.cold_bytes.labels(m).observe(s.cold_bytes)
+        self.recalled.labels(m).inc(s.recalled_slots)
+
+    def _compression(self, s: stats.CompressionStat) -> None:
+        m = self.model_name
+        self.compressions.labels(m).inc()
+        if s.context_tokens > 0:
+            for layer, heads in enumerate(s.kept):
+                hist = self.kept_share.labels(m, self._label("layer", layer))
+                for kept in heads:
+                    hist.observe(kept / s.context_tokens)
+        if s.history_attention is not None:
+            self.history_attention.labels(m).observe(s.history_attention)
+
+    def _decode_step(self, s: stats.DecodeStepStat) -> None:
+        m = self.model_name
+        self.steps.labels(m).inc()
+        self.step_time.labels(m).observe(s.seconds)
+        self.batch.labels(m).observe(s.batch_size)
+        self.kv_read.labels(m).observe(s.kv_bytes_read)
+
+    def _scheduler_step(self, s: stats.SchedulerStepStat) -> None:
+        self.sched_running.labels(self.model_name).set(s.running)
+        self.sched_waiting.labels(self.model_name).set(s.waiting)
+
+    def _tier(self, s: stats.TierEvent) -> None:
+        m, kind = self.model_name, self._label("tier_kind", s.kind)
+        self.tier_events.labels(m, kind, self._label("tier_reason", s.reason)).inc()
+        self.tier_bytes.labels(m, kind).inc(s.nbytes)
+
+    def _fault(self, s: stats.FaultStat) -> None:
+        self.faults.labels(self.model_name, self._label("fault_kind", s.kind)).inc()
+
+
+_HANDLERS = {
+    stats.RequestStat: PrometheusSink._request,
+    stats.QueueStat: PrometheusSink._queue,
+    stats.TurnStat: PrometheusSink._turn,
+    stats.CompressionStat: PrometheusSink._compression,
+    stats.DecodeStepStat: PrometheusSink._decode_step,
+    stats.SchedulerStepStat: PrometheusSink._scheduler_step,
+    stats.TierEvent: PrometheusSink._tier,
+    stats.FaultStat: PrometheusSink._fault,
+}

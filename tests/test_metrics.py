@@ -1,0 +1,282 @@
+"""Operations (issue 28): ``GET /metrics`` (Prometheus, fed by the stats stream), ``GET /health`` and ``GET /ready``.
+
+In process, on a tiny random model (no bundle): readiness before the app starts, while it runs, when the store does
+not answer and while it drains; the sink's counts against what the requests and their turn records say; series
+that do not grow with sessions. Against a live server (SmolLM2 bundle, loopback only): a known workload with one
+429, scraped and parsed with prometheus_client's own parser; /health while a long turn runs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import build_tiny, bundle_available, word_tokenizer
+from prometheus_client.parser import text_string_to_metric_families
+
+from snapkv_sessions import stats
+from snapkv_sessions.serve.metrics import LABEL_VALUES, OTHER, PrometheusSink
+
+TINY_POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
+
+
+# ---------------------------------------------------------------------- reading a scrape
+
+
+def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape: (sample name, sorted labels) -> value, as prometheus_client's parser reads it."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for (n, lab), v in samples.items() if n == name and labels.items() <= dict(lab).items())
+
+
+# ---------------------------------------------------------------------- in process, a tiny model
+
+
+def _tiny_app(tmp_path, **options):
+    from fastapi.testclient import TestClient
+
+    from snapkv_sessions.serve import Capacity, ServeOptions, Service, create_app
+    from snapkv_sessions.store import SessionStore
+
+    model = build_tiny("qwen2")
+    model.config._name_or_path = "tiny"
+    service = Service((model, word_tokenizer()), TINY_POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
+                      Capacity(batch=0, max_tokens=3))
+    app = create_app(service, ServeOptions(**options))
+    return app, TestClient(app, raise_server_exceptions=False), service
+
+
+def _ask(client, model: str, messages: list[dict], stream: bool = False, max_tokens: int = 3):
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def _stream_usage(sse: str) -> dict:
+    """The usage chunk of a streamed response's SSE text."""
+    events = [json.loads(line[5:]) for line in sse.splitlines() if line.startswith("data:") and "[DONE]" not in line]
+    return next(e["usage"] for e in events if e.get("usage"))
+
+
+def test_ready_before_start_while_serving_without_the_store_and_while_draining(tmp_path):
+    app, client, service = _tiny_app(tmp_path, api_keys=frozenset({"k" * 16}), shutdown_grace_s=30)
+    # the app made, its lifespan (worker, sink) not started: alive, not ready
+    assert client.get("/health").status_code == 200
+    res = client.get("/ready")
+    assert res.status_code == 503 and res.json()["reason"] == "starting"
+    with client:
+        # no key: probes and the scrape answer (Kubernetes sends none); the API does not
+        assert client.get("/ready").json() == {"status": "ready", "model": service.model_name}
+        assert client.get("/metrics").status_code == 200
+        assert client.get("/v1/models").status_code == 401
+        real_ping = service.store.ping
+
+        def unreachable() -> None:
+            raise ConnectionError("the database went away")
+
+        service.store.ping = unreachable
+        res = client.get("/ready")
+        assert res.status_code == 503 and res.json()["reason"] == "store_unreachable"
+        service.store.ping = real_ping
+        assert client.get("/ready").status_code == 200
+        app.state.drain()  # what SIGTERM does
+        res = client.get("/ready")
+        assert res.status_code == 503 and res.json()["reason"] == "draining"
+        assert client.get("/health").status_code == 200  # draining is not dead: liveness holds
+
+
+def test_metrics_behind_the_key_when_asked(tmp_path):
+    _app, client, _service = _tiny_app(tmp_path, api_keys=frozenset({"k" * 16}), metrics_need_key=True)
+    with client:
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": f"Bearer {'k' * 16}"}).status_code == 200
+        assert client.get("/ready").status_code == 200  # probes never need it
+
+
+def test_counts_equal_the_requests_and_turn_records_and_series_do_not_grow_with_sessions(tmp_path):
+    app, client, service = _tiny_app(tmp_path)
+    model = service.model_name
+    words = "the special magic number is hidden within following text".split()
+    replies, series_after = [], {}
+    with client:
+        for i in range(200):
+            # 3 to 39 words: some fit the 16-token budget, the longer ones are compressed
+            msgs = [{"role": "user", "content": " ".join(words[j % len(words)] for j in range(i % 37 + 3))}]
+            res = _ask(client, model, msgs)
+            assert res.status_code == 200, res.text
+            replies.append(res.json())
+            if i + 1 in (10, 200):
+                series_after[i + 1] = set(scrape(client.get("/metrics").text))
+        # a bad request and a streamed one
+        assert _ask(client, model, [{"role": "wizard", "content": "x"}]).status_code == 400
+        streamed = _ask(client, model, [{"role": "user", "content": "the magic number"}], stream=True)
+        assert streamed.status_code == 200 and "[DONE]" in streamed.text
+        samples = scrape(client.get("/metrics").text)
+    # 200 sessions add no series: the same label sets after 10 sessions and after 200
+    assert series_after[10] == series_after[200]
+    assert not any("session" in k for _name, labels in series_after[200] for k, _v in labels)
+    store = service.store
+    turns = [t for r in store.list_sessions() for t in store.turns(r["id"], status="done")]
+    assert len(turns) == 201
+    assert total(samples, "vllm:request_success_total") == 201
+    assert total(samples, "snapkv:request_errors_total", status="400", code="invalid_value") == 1
+    assert total(samples, "vllm:prompt_tokens_total") == sum(t["tokens_in"] for t in turns)
+    assert total(samples, "vllm:generation_tokens_total") == sum(t["tokens_out"] for t in turns)
+    usages = [r["usage"] for r in replies] + [_stream_usage(streamed.text)]
+    assert total(samples, "vllm:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert total(samples, "vllm:generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    assert total(samples, "snapkv:turns_total", replay="false") == 201
+    assert total(samples, "vllm:e2e_request_latency_seconds_count") == 202  # every request, the 400 included
+    assert total(samples, "vllm:time_to_first_token_seconds_count") == 201
+    assert total(samples, "vllm:request_queue_time_seconds_count") == 201  # the 400 never reached the queue
+    compressed = sum(t["compression"] is not None for t in turns)
+    assert total(samples, "snapkv:compressions_total") == compressed > 0
+    layers = service.runner.model.config.num_hidden_layers
+    heads = service.runner.model.config.num_key_value_heads
+    assert total(samples, "snapkv:kept_share_count") == compressed * layers * heads
+    assert total(samples, "vllm:num_requests_running") == total(samples, "vllm:num_requests_waiting") == 0
+
+
+def _stats(**fields):
+    base = {"session_id": "s", "turn": 1, "model": "m", "decision": "kept", "reprefill_reason": None,
+            "prompt_tokens": 3, "prefilled_tokens": 3, "decoded_tokens": 2, "context_tokens": 5, "hot_tokens": (5,),
+            "prefill_s": 0.5, "decode_s": 0.1, "compression_s": 0.05, "recalled_slots": 0, "hot_bytes": 1024,
+            "cold_bytes": 0, "replay": False}
+    return stats.TurnStat(**{**base, **fields})
+
+
+def test_the_sink_bounds_every_label_and_reads_reprefill_causes():
+    sink = PrometheusSink("m")
+    for i in range(3 * LABEL_VALUES):  # a kind per emit: past the cap they count as "other", never a new series
+        sink.record(stats.FaultStat(f"kind-{i}", f"session-{i}", "x"))
+    sink.record(_stats(decision="reprefill", reprefill_reason="tier lost: evicted by the cold tier's byte cap"))
+    sink.record(_stats(decision="reprefill", reprefill_reason=stats.REPREFILL_DRIFT))
+    sink.record(_stats(decision="reprefill", reprefill_reason="something new", replay=True))
+    sink.record(stats.TierEvent("lost", None, 4096, 12, "memory_limit"))
+    from prometheus_client import generate_latest
+
+    samples = scrape(generate_latest(sink.registry).decode())
+    faults = {dict(lab)["kind"] for (name, lab) in samples if name == "snapkv:faults_total"}
+    assert len(faults) == LABEL_VALUES + 1 and OTHER in faults
+    assert total(samples, "snapkv:faults_total") == 3 * LABEL_VALUES
+    assert total(samples, "snapkv:faults_total", kind=OTHER) == 2 * LABEL_VALUES
+    assert total(samples, "snapkv:reprefills_total", cause="tier_lost") == 1
+    assert total(samples, "snapkv:reprefills_total", cause="drift") == 1
+    assert total(samples, "snapkv:reprefills_total") == 2  # the replayed one is no live re-prefill
+    assert total(samples, "snapkv:turns_total", decision="reprefill", replay="true") == 1
+    assert total(samples, "snapkv:tier_events_total", kind="lost", reason="memory_limit") == 1
+    assert total(samples, "snapkv:tier_bytes_total", kind="lost") == 4096
+    assert [stats.reprefill_cause(r) for r in (None, "drift", "tier lost: x", "as recorded", "new")] == [
+        None, "drift", "tier_lost", "as_recorded", "other"]
+
+
+# ---------------------------------------------------------------------- a live server
+
+
+@pytest.mark.slow
+@pytest.mark.bundle
+def test_a_known_workload_with_one_429_scraped_from_a_live_server(tmp_path):
+    """3 sessions x 2 turns (plain and streamed), one long stream with a request queued behind it and one refused
+    with 429 (a queue of one, one turn at a time). The scrape's counters and histogram counts equal the responses
+    and the turn records; /health and /ready answer while the long turn runs; no key is needed for them."""
+    pytest.importorskip("openai")
+    from test_serve import KEY_A, MODEL, Server
+
+    from snapkv_sessions.store import SessionStore
+
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    srv = Server(tmp_path, "--api-key", KEY_A, "--max-queue", "1", "--batch", "1")
+    root = srv.url.removesuffix("/v1")
+    usages, statuses = [], []
+    try:
+        for s in range(3):
+            msgs = [{"role": "system", "content": f"You are assistant {s}. Be brief."}]
+            for t, question in enumerate(("Name a colour.", "And another?")):
+                msgs.append({"role": "user", "content": question})
+                res = srv.client().chat.completions.create(
+                    model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=bool(t),
+                    **({"stream_options": {"include_usage": True}} if t else {}))
+                if t:
+                    chunks = list(res)
+                    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                    usage = next(c.usage for c in chunks if c.usage is not None)
+                else:
+                    text, usage = res.choices[0].message.content, res.usage
+                usages.append(usage)
+                msgs.append({"role": "assistant", "content": text})
+        streaming, long_out = threading.Event(), {}
+
+        def long_stream() -> None:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}],
+                    "max_tokens": 120, "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{srv.url}/chat/completions", json=body, headers=srv.auth(KEY_A),
+                              timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:") and '"content"' in line:
+                        streaming.set()
+                    if line.startswith("data:") and '"usage"' in line:
+                        long_out["usage"] = json.loads(line[5:])["usage"]
+
+        def queued() -> None:
+            res = srv.post("/chat/completions", {"model": MODEL, "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "Hi."}]})
+            long_out["queued"] = res
+
+        first = threading.Thread(target=long_stream)
+        first.start()
+        assert streaming.wait(60)
+        t0 = time.perf_counter()
+        health = httpx.get(f"{root}/health", timeout=10)
+        assert health.status_code == 200 and time.perf_counter() - t0 < 2.0  # the long turn does not hold it
+        assert httpx.get(f"{root}/ready", timeout=10).status_code == 200
+        second = threading.Thread(target=queued)
+        second.start()
+        time.sleep(0.5)  # the second request now waits in the queue
+        busy = srv.post("/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hey."}]})
+        statuses.append(busy.status_code)
+        first.join(120)
+        second.join(120)
+        assert long_out["queued"].status_code == 200
+        usages += [long_out["usage"], long_out["queued"].json()["usage"]]
+        res = httpx.get(f"{root}/metrics", timeout=10)  # no key: open, as vLLM's
+        assert res.status_code == 200 and res.headers["content-type"].startswith("text/plain")
+        samples = scrape(res.text)
+    finally:
+        srv.stop()
+    assert statuses == [429]
+
+    def usage(u, field: str) -> int:
+        return u[field] if isinstance(u, dict) else getattr(u, field)
+
+    store = SessionStore(f"sqlite:///{srv.db}")
+    turns = [t for r in store.list_sessions() for t in store.turns(r["id"], status="done")]
+    assert len(turns) == len(usages) == 8
+    prompt = sum(usage(u, "prompt_tokens") for u in usages)
+    generated = sum(usage(u, "completion_tokens") for u in usages)
+    assert total(samples, "vllm:prompt_tokens_total") == prompt == sum(t["tokens_in"] for t in turns)
+    assert total(samples, "vllm:generation_tokens_total") == generated == sum(t["tokens_out"] for t in turns)
+    assert total(samples, "vllm:request_success_total") == 8
+    assert total(samples, "snapkv:request_errors_total") == 1
+    assert total(samples, "snapkv:request_errors_total", status="429", code="queue_full") == 1
+    assert total(samples, "snapkv:requests_stopped_total") == 0
+    assert total(samples, "vllm:e2e_request_latency_seconds_count") == 9
+    assert total(samples, "vllm:time_to_first_token_seconds_count") == 8
+    assert total(samples, "vllm:request_queue_time_seconds_count") == 8
+    assert total(samples, "vllm:request_time_per_output_token_seconds_count") == sum(
+        usage(u, "completion_tokens") > 1 for u in usages)
+    assert total(samples, "snapkv:turns_total", replay="false") == 8  # the warm start is not counted
+    assert total(samples, "vllm:request_prefill_time_seconds_count") == 8
+    assert total(samples, "snapkv:decode_steps_total") == total(samples, "snapkv:decode_batch_size_count") > 0
+    assert total(samples, "snapkv:batch_slots") == 1
+    assert total(samples, "vllm:num_requests_running") == total(samples, "vllm:num_requests_waiting") == 0
+    assert {dict(lab).get("model_name") for (_n, lab) in samples} == {MODEL}
