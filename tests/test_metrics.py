@@ -280,3 +280,28 @@ def test_a_known_workload_with_one_429_scraped_from_a_live_server(tmp_path):
     assert total(samples, "snapkv:batch_slots") == 1
     assert total(samples, "vllm:num_requests_running") == total(samples, "vllm:num_requests_waiting") == 0
     assert {dict(lab).get("model_name") for (_n, lab) in samples} == {MODEL}
+
+
+def test_a_job_says_why_it_stops():
+    from snapkv_sessions.serve.worker import Job
+
+    job = Job(lambda _job: None, time.monotonic() + 60)
+    assert job.stop_cause() is None and not job.should_stop()
+    job.cancelled.set()
+    assert job.stop_cause() == "client_left"
+    job.shutdown.set()  # the server stopping outranks the client: the client is told 503
+    assert job.stop_cause() == "shutdown" and type(job.stopped()).__name__ == "ShuttingDown"
+    late = Job(lambda _job: None, time.monotonic() - 1)
+    assert late.stop_cause() == "deadline" and type(late.stopped()).__name__ == "DeadlineExceeded"
+
+
+def test_a_turn_stopped_by_its_deadline_is_counted_by_cause(tmp_path):
+    _app, client, service = _tiny_app(tmp_path, request_timeout_s=0.3)
+    with client:
+        res = _ask(client, service.model_name, [{"role": "user", "content": "the magic number"}], max_tokens=1900)
+        samples = scrape(client.get("/metrics").text)
+    assert res.status_code == 504 and res.json()["error"]["code"] == "deadline_exceeded", res.text
+    assert total(samples, "snapkv:request_errors_total", status="504", code="deadline_exceeded") == 1
+    assert total(samples, "snapkv:requests_stopped_total", cause="deadline") == 1
+    assert total(samples, "vllm:request_queue_time_seconds_count") == 1  # it had started
+    assert [t["status"] for r in service.store.list_sessions() for t in service.store.turns(r["id"])] == ["abandoned"]
