@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
 import click
 
-from .. import progress
+from .. import progress, stats
 from ..models import DTYPE_CHOICES, ModelSpec
 from . import clean_errors, main, quiet_loaders
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
+log = logging.getLogger("snapkv_sessions.serve")  # the server's own logger (serve/app.py's request lines)
 
 
 def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
@@ -62,24 +64,36 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
                    "first request is as fast as the second (0: no warm start).")
 @click.option("--metrics-need-key", is_flag=True,
               help="GET /metrics asks for the API key too (default: open, as vLLM's; /health and /ready always are).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="The server's log on stderr: one line per request, per turn, per fault, the drain and the stop; "
+                   "json: one JSON object a line (docs/operations.md#logs).")
+@click.option("--log-content", is_flag=True,
+              help="A chat completion's request line carries its last user message, cut to 200 characters "
+                   "(off by default: no message content in the logs).")
 @click.option("--no-fork-boundaries", is_flag=True,
               help="Keep no turn boundaries: a conversation sent again at once forks by re-prefilling its history.")
 @clean_errors
 def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
           max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
-          warm_tokens, no_fork_boundaries, metrics_need_key) -> None:
+          warm_tokens, no_fork_boundaries, metrics_need_key, log_format, log_content) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
                          max_messages=max_messages, shutdown_grace=shutdown_grace, warm_tokens=warm_tokens)
     keys = _api_keys(api_keys, api_key_file)
+    if on_ray and (log_format != "text" or log_content):
+        raise click.ClickException("--log-format json and --log-content are not offered with --ray yet (the Ray "
+                                   "replicas keep their own logs; docs/ray.md)")
+    # JSON lines: every line of stderr is a record, so the start-up's progress is not shown, its lines are logged
+    json_logs = log_format == "json"
+    stats.configure_logging("INFO", log_format)
     model = ModelSpec.parse(model, dtype).model_id  # the id its sessions are stored under: name@dtype
     if packed_weights and ModelSpec.parse(model).dtype != "float32":
         raise click.ClickException(f"--packed-weights packs float32 weights; this server runs {model!r} "
                                    "(add --dtype float32)")
     if not keys and host not in LOOPBACK:
-        click.echo(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it "
-                   "can use and read every session", err=True)
+        _say(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it can use "
+             "and read every session", json_logs, logging.WARNING)
     if on_ray:
         _serve_ray({"model": model, "db": db, "policy": policy, "redis_url": redis_url, "replicas": replicas,
                     "sessions_per_replica": max_live, "batch": batch, "max_tokens": max_tokens,
@@ -98,18 +112,31 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
     capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights,
                         keep_boundaries=not no_fork_boundaries)
     store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
-    with progress.task(f"starting the server on {model}") as shown:
+    warmed = None
+    with progress.quiet(json_logs), progress.task(f"starting the server on {model}") as shown:
         service = Service(model, policy, store, capacity)  # loads the model (its own line on a terminal)
         if warm_tokens:
             shown.update(f"warm start: a {warm_tokens}-token document and a follow-up")
-            shown.log(service.warm(warm_tokens).line())
+            warmed = service.warm(warm_tokens).line()
+            shown.log(warmed)  # stays above a live display; nothing under --log-format json (logged below)
+    if warmed is not None and json_logs:
+        log.info(warmed)
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
                                            max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
                                            docs=docs, shutdown_grace_s=shutdown_grace,
-                                           metrics_need_key=metrics_need_key))
-    click.echo(f"serving {service.model_name} ({ModelSpec.parse(service.model_id).dtype}) on http://{host}:{port}/v1",
-               err=True)
+                                           metrics_need_key=metrics_need_key, log_content=log_content))
+    _say(f"serving {service.model_name} ({ModelSpec.parse(service.model_id).dtype}) on http://{host}:{port}/v1",
+         json_logs)
     run_server(app, host, port, shutdown_grace)
+
+
+def _say(line: str, json_logs: bool, level: int = logging.INFO) -> None:
+    """A start-up line on stderr: plain as it always was, or a record of the server's logger under
+    ``--log-format json`` (so that every line of stderr parses)."""
+    if json_logs:
+        log.log(level, line)
+    else:
+        click.echo(line, err=True)
 
 
 # serve's numeric options: the least value (int options), or (least, whether the least itself is allowed) for the

@@ -42,9 +42,16 @@ CLIENT_LEFT = 499  # the status a request is counted with when its client left f
 log = logging.getLogger("snapkv_sessions.serve")
 
 
+LOG_CONTENT_CHARS = 200  # characters of the last user message a request line carries with log_content
+LOG_SCOPE = "snapkv.request_log"  # the ASGI scope key where RequestLog keeps what a route adds to its line
+
+
 class RequestLog:
-    """ASGI middleware: one line per HTTP request once its response has ended (a stream too): method, path,
-    status, milliseconds and the session that served it."""
+    """ASGI middleware: one record per HTTP request once its response has ended (a stream too) on the
+    ``snapkv_sessions.serve`` logger: method, path, status, milliseconds and the session that served it, as the
+    message and as the record's ``stat`` (``stat_type`` ``"http"``, so :class:`~snapkv_sessions.stats.JsonFormatter`
+    writes the fields apart). Never a header: the API key travels in one. A route may add a field under the
+    scope's :data:`LOG_SCOPE` (the chat route adds the bounded last user message when ``log_content`` is on)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -53,7 +60,9 @@ class RequestLog:
         if scope["type"] != "http" or scope["path"] in OPERATOR_PATHS:
             await self.app(scope, receive, send)
             return
-        t0, seen = time.perf_counter(), {"status": 500, "session": "-"}
+        t0 = time.perf_counter()
+        seen: dict = {"status": 500, "session": None}
+        scope[LOG_SCOPE] = seen  # the routes see this scope dict itself (Starlette updates it, never copies it)
 
         async def sending(message) -> None:
             if message["type"] == "http.response.start":
@@ -66,8 +75,28 @@ class RequestLog:
         try:
             await self.app(scope, receive, sending)
         finally:
-            log.info("%s %s %d %.0f ms session %s", scope["method"], scope["path"][:200], seen["status"],
-                     (time.perf_counter() - t0) * 1e3, seen["session"])
+            ms = (time.perf_counter() - t0) * 1e3
+            fields = {"method": scope["method"], "path": scope["path"][:200], "status": seen["status"],
+                      "ms": round(ms, 1), "session": seen["session"]}
+            content = seen.get("content")
+            if content is not None:
+                fields["content"] = content
+            log.info("%s %s %d %.0f ms session %s%s", fields["method"], fields["path"], fields["status"], ms,
+                     fields["session"] or "-", "" if content is None else f" content {content!r}",
+                     extra={"stat": fields, "stat_type": "http"})
+
+
+def content_view(req: protocol.ChatCompletionRequest, limit: int = LOG_CONTENT_CHARS) -> str | None:
+    """The request's last user message as a request line may carry it: its text parts, cut to ``limit``
+    characters (an ellipsis marks a cut), so one line stays bounded whatever a client sends; None without one."""
+    user = next((m for m in reversed(req.messages) if m.role == "user"), None)
+    if user is None:
+        return None
+    if isinstance(user.content, str):
+        text = user.content
+    else:
+        text = "".join(p.text or "" for p in user.content or [] if p.type == "text")
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 @dataclass
@@ -78,7 +107,9 @@ class ServeOptions:
     ``/redoc`` and ``/openapi.json`` (behind the key when keys are set); shutdown_grace_s: after SIGTERM, how long
     running turns may finish before they are stopped (their clients get 503, their turns are abandoned);
     metrics_need_key: ``GET /metrics`` asks for the API key too (off by default, as vLLM's: a Prometheus scrape
-    usually sends none, and the metrics carry no session id, key or content).
+    usually sends none, and the metrics carry no session id, key or content); log_content: a chat completion's
+    request line carries its last user message, cut to :data:`LOG_CONTENT_CHARS` (off by default: logs are often
+    shipped and kept where conversations should not be).
     """
 
     api_keys: frozenset[str] = field(default_factory=frozenset)  # empty: no keys (local use)
@@ -89,6 +120,7 @@ class ServeOptions:
     docs: bool = False
     shutdown_grace_s: float = 10.0
     metrics_need_key: bool = False
+    log_content: bool = False
 
     def __post_init__(self) -> None:
         at_least(self, {"max_queue": 1, "max_body_bytes": 1, "max_messages": 1})
@@ -258,14 +290,17 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         nonlocal worker
-        remove_sink = stats.add_sink(metrics)
+        # the per-turn, fault and tier-loss records (stats.LogSink): written only where the package logger is
+        # configured to show them (serve's --log-format), and dropped before they are built otherwise
+        remove_sinks = [stats.add_sink(metrics), stats.add_sink(stats.LogSink())]
         worker = Worker(options.max_queue, threads=service.threads)
         try:
             yield
         finally:
             await asyncio.to_thread(worker.close)  # the running turns finish; waiting ones are refused
             await asyncio.to_thread(service.close)
-            remove_sink()
+            for remove in remove_sinks:
+                remove()
             log.info("stopped")
 
     # the schema pages are off unless asked for, and then behind the key like every route (see below)
@@ -382,6 +417,8 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         try:
             who = owner(request)
             req = protocol.parse(await read_json(request), options.max_messages)
+            if options.log_content and LOG_SCOPE in request.scope:
+                request.scope[LOG_SCOPE]["content"] = content_view(req)
             track.stream = bool(req.stream)
             turn = service.prepare(req, who, request.headers.get(SESSION_HEADER))
             if req.stream:
@@ -502,7 +539,11 @@ def _extra(out: TurnOutput) -> dict:
 def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
     """uvicorn until SIGTERM or Ctrl-C; the signal first drains the app (``app.state.drain``): waiting requests get
     503 with ``Retry-After``, running turns get ``grace_s`` seconds, then stop cleanly. uvicorn's own graceful
-    timeout is longer, so it never has to cut a request (a bare 500 and a traceback)."""
+    timeout is longer, so it never has to cut a request (a bare 500 and a traceback).
+
+    The server's lines (one per request, the drain, the stop, and the per-turn and fault records) go through the
+    package's loggers: configure them first (``stats.configure_logging``, as ``serve --log-format`` does); when
+    nothing did, they are written as text on stderr at INFO."""
     import uvicorn
 
     class Draining(uvicorn.Server):
@@ -510,11 +551,7 @@ def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
             app.state.drain()
             super().handle_exit(sig, frame)
 
-    if not log.handlers:  # the server's own lines: one per request, the drain, the stop (uvicorn's stay at warning)
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    if not logging.getLogger(stats.PACKAGE_LOGGER).handlers:  # uvicorn's own lines stay at warning
+        stats.configure_logging("INFO", "text")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 15)
     Draining(config).run()
