@@ -88,6 +88,8 @@ def test_json_logs_one_record_per_request_turn_and_fault_without_key_or_content(
         monkeypatch.undo()
         assert down.status_code == 503 and down.json()["error"]["code"] == "store_unavailable", down.text
         assert client.get("/health").status_code == 200  # operator routes: no record
+        assert sum(isinstance(s, stats.LogSink) for s in stats.registered()) == 1  # while the app runs
+    assert not any(isinstance(s, stats.LogSink) for s in stats.registered())  # and removed at its shutdown
     err = capsys.readouterr().err
     records = _records(err)  # every line is JSON
 
