@@ -20,6 +20,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from snapkv_sessions.models import cache_dir
+
 DOC = ("Inventory of the north warehouse. RULE 1: crates of glass MUST stay on the ground floor. Shelf A holds "
        "copper wire, 340 rolls. Shelf B holds steel bolts, 12,500 pieces. Shelf C holds paint, 80 cans of blue "
        "and 45 of red. The loading dock opens at 6 am and closes at 9 pm. Forklift 7 is under repair until Friday.")
@@ -78,6 +80,8 @@ def _clean(value, ids: dict[str, str]):
     if isinstance(value, str):
         for sid, name in ids.items():
             value = value.replace(sid, name)
+        # a bundle's model id is its converted folder, under $SNAPKV_SESSIONS_CACHE when set: not behaviour
+        value = value.replace(str(cache_dir()), "<cache>")
         value = re.sub(r'"(\w*_)?ms": [\d.]+', '"ms": <t>', value)
         return re.sub(r"\d+(\.\d+)? ?(ms|s)\b", "<t>", value)
     if isinstance(value, float):
