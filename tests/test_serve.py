@@ -330,7 +330,7 @@ def test_backpressure_and_graceful_shutdown(tmp_path):
 def test_a_request_past_its_deadline_gets_504_and_abandons_its_turn(tmp_path):
     if not bundle_available(MODEL):
         pytest.skip(f"bundle {MODEL} not installed")
-    srv = Server(tmp_path, "--request-timeout", "2")
+    srv = Server(tmp_path, "--request-timeout", "5")
     try:
         msgs = [{"role": "user", "content": "Write a very long essay about rivers."}]
         res = srv.post("/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2000}, key=None)
