@@ -58,7 +58,7 @@ def test_quality_and_knee_small_runs(smollm2, tmp_path):
     out = json.loads(res.output)
     assert out["items"] == 8
     assert set(out["summary"]) == {"full", "session", "tiered", "every", "streaming", "snapkv", "adakv",
-                                   "tier-adakv"}
+                                   "tier-adakv", "tier-recall"}
     assert out["summary"]["every"]["agreement_with_every_turn"] == 1.0
     assert out["summary"]["every"]["reprefills"] == 1  # the second turn of the one switch item; the rest are single-turn
 
