@@ -155,3 +155,23 @@ def word_tokenizer():
     assert len(vocab) <= 96  # the tiny models' vocabulary
     return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
                                    chat_template=TEMPLATE)
+
+
+TINY_POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
+
+
+def tiny_app(tmp_path, **options):
+    """The server's app in process on a tiny Qwen2 model ("tiny", no batching, 3-token replies) and a SQLite store
+    under ``tmp_path``: (app, its TestClient, the Service). ``options``: :class:`ServeOptions` fields."""
+    from fastapi.testclient import TestClient
+
+    from snapkv_sessions.serve import Capacity, ServeOptions, Service, create_app
+    from snapkv_sessions.store import SessionStore
+
+    model = build_tiny("qwen2")
+    model.config._name_or_path = "tiny"
+    service = Service((model, word_tokenizer()), TINY_POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
+                      Capacity(batch=0, max_tokens=3))
+    app = create_app(service, ServeOptions(**options))
+    return app, TestClient(app, raise_server_exceptions=False), service
+

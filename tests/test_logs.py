@@ -14,7 +14,7 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from conftest import build_tiny, word_tokenizer
+from conftest import tiny_app
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from snapkv_sessions import stats
@@ -23,7 +23,6 @@ from snapkv_sessions.cli import serve as serve_cli
 from snapkv_sessions.serve.app import LOG_CONTENT_CHARS
 from snapkv_sessions.serve.service import owner_of
 
-TINY_POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
 KEY = "sk-test-" + "q7" * 12  # 32 characters
 WRONG_KEY = "sk-wrong-" + "z9" * 12
 SECRET_WORD = "zanzibar"  # message content that must not reach the log unless asked for
@@ -39,20 +38,6 @@ def package_logger():
     yield logger
     logger.handlers[:] = handlers
     logger.setLevel(level)
-
-
-def _tiny_app(tmp_path, **options):
-    from fastapi.testclient import TestClient
-
-    from snapkv_sessions.serve import Capacity, ServeOptions, Service, create_app
-    from snapkv_sessions.store import SessionStore
-
-    model = build_tiny("qwen2")
-    model.config._name_or_path = "tiny"
-    service = Service((model, word_tokenizer()), TINY_POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
-                      Capacity(batch=0, max_tokens=3))
-    app = create_app(service, ServeOptions(**options))
-    return TestClient(app, raise_server_exceptions=False), service
 
 
 def _ask(client, model: str, messages: list[dict], key: str | None = None):
@@ -73,7 +58,7 @@ def _of(records: list[dict], stat_type: str) -> list[dict]:
 def test_json_logs_one_record_per_request_turn_and_fault_without_key_or_content(tmp_path, package_logger, capsys,
                                                                                 monkeypatch):
     stats.configure_logging("INFO", "json")  # what serve --log-format json does
-    client, service = _tiny_app(tmp_path, api_keys=frozenset({KEY}))
+    _, client, service = tiny_app(tmp_path, api_keys=frozenset({KEY}))
     model = service.model_name
     with client:
         ok = _ask(client, model, [{"role": "user", "content": f"the {SECRET_WORD} magic number"}], KEY)
@@ -123,7 +108,7 @@ def test_json_logs_one_record_per_request_turn_and_fault_without_key_or_content(
 
 def test_log_content_puts_the_bounded_last_user_message_on_the_request_line(tmp_path, package_logger, capsys):
     stats.configure_logging("INFO", "json")
-    client, service = _tiny_app(tmp_path, log_content=True)
+    _, client, service = tiny_app(tmp_path, log_content=True)
     long_question = "where " + "w" * 500
     with client:
         res = _ask(client, service.model_name, [{"role": "user", "content": f"the {SECRET_WORD} number"},
@@ -142,7 +127,7 @@ def test_log_content_puts_the_bounded_last_user_message_on_the_request_line(tmp_
 
 def test_text_logs_are_one_readable_line_per_request_and_turn(tmp_path, package_logger, capsys):
     stats.configure_logging("INFO", "text")  # serve's default
-    client, service = _tiny_app(tmp_path)
+    _, client, service = tiny_app(tmp_path)
     with client:
         res = _ask(client, service.model_name, [{"role": "user", "content": f"the {SECRET_WORD} number"}])
         assert res.status_code == 200, res.text

@@ -14,14 +14,11 @@ import time
 
 import httpx
 import pytest
-from conftest import build_tiny, bundle_available, word_tokenizer
+from conftest import bundle_available, tiny_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapkv_sessions import stats
 from snapkv_sessions.serve.metrics import LABEL_VALUES, OTHER, PrometheusSink
-
-TINY_POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
-
 
 # ---------------------------------------------------------------------- reading a scrape
 
@@ -40,20 +37,6 @@ def total(samples: dict, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------------- in process, a tiny model
 
 
-def _tiny_app(tmp_path, **options):
-    from fastapi.testclient import TestClient
-
-    from snapkv_sessions.serve import Capacity, ServeOptions, Service, create_app
-    from snapkv_sessions.store import SessionStore
-
-    model = build_tiny("qwen2")
-    model.config._name_or_path = "tiny"
-    service = Service((model, word_tokenizer()), TINY_POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
-                      Capacity(batch=0, max_tokens=3))
-    app = create_app(service, ServeOptions(**options))
-    return app, TestClient(app, raise_server_exceptions=False), service
-
-
 def _ask(client, model: str, messages: list[dict], stream: bool = False, max_tokens: int = 3):
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if stream:
@@ -68,7 +51,7 @@ def _stream_usage(sse: str) -> dict:
 
 
 def test_ready_before_start_while_serving_without_the_store_and_while_draining(tmp_path):
-    app, client, service = _tiny_app(tmp_path, api_keys=frozenset({"k" * 16}), shutdown_grace_s=30)
+    app, client, service = tiny_app(tmp_path, api_keys=frozenset({"k" * 16}), shutdown_grace_s=30)
     # the app made, its lifespan (worker, sink) not started: alive, not ready
     assert client.get("/health").status_code == 200
     res = client.get("/ready")
@@ -95,7 +78,7 @@ def test_ready_before_start_while_serving_without_the_store_and_while_draining(t
 
 
 def test_metrics_behind_the_key_when_asked(tmp_path):
-    _app, client, _service = _tiny_app(tmp_path, api_keys=frozenset({"k" * 16}), metrics_need_key=True)
+    _app, client, _service = tiny_app(tmp_path, api_keys=frozenset({"k" * 16}), metrics_need_key=True)
     with client:
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"Authorization": f"Bearer {'k' * 16}"}).status_code == 200
@@ -103,7 +86,7 @@ def test_metrics_behind_the_key_when_asked(tmp_path):
 
 
 def test_counts_equal_the_requests_and_turn_records_and_series_do_not_grow_with_sessions(tmp_path):
-    app, client, service = _tiny_app(tmp_path)
+    app, client, service = tiny_app(tmp_path)
     model = service.model_name
     words = "the special magic number is hidden within following text".split()
     replies, series_after = [], {}
@@ -296,7 +279,7 @@ def test_a_job_says_why_it_stops():
 
 
 def test_a_turn_stopped_by_its_deadline_is_counted_by_cause(tmp_path):
-    _app, client, service = _tiny_app(tmp_path, request_timeout_s=0.3)
+    _app, client, service = tiny_app(tmp_path, request_timeout_s=0.3)
     with client:
         res = _ask(client, service.model_name, [{"role": "user", "content": "the magic number"}], max_tokens=1900)
         samples = scrape(client.get("/metrics").text)
