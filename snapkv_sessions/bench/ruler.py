@@ -235,8 +235,13 @@ def _singles(runner, item: Item, window: int, cells: dict[str, tuple[dict, list[
                                        recall=figures))
 
 
+def _variant_recall(name: str) -> dict | None:
+    """A variant's (``METHOD[+rRATIO[:SPEC]]@BUDGET``) ``memory.recall`` keys, None without recall."""
+    return split_recall(name.split("@")[0])[1]
+
+
 def _recall_config(name: str) -> RecallConfig | None:
-    recall = split_recall(name.split("@")[0])[1]
+    recall = _variant_recall(name)
     return None if recall is None else RecallConfig.make(**recall)
 
 
@@ -245,7 +250,7 @@ def session_policy(name: str, window: int, tiered: bool):
 
     memory = {"cold": True, "on_shift": "tier"} if tiered else {"cold": False}
     if tiered and name != "full":
-        memory["recall"] = split_recall(name.split("@")[0])[1]  # None: no recall
+        memory["recall"] = _variant_recall(name)  # None: no recall
     if name == "full":
         return Policy.from_dict({"name": "full", "compression": {"budget": 32768, "window": window},
                                  "drift": {"embedder": "none"}, "memory": {"cold": False}})

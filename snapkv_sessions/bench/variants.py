@@ -63,4 +63,4 @@ def compressed_variants(runner: ModelRunner, ids: Sequence[int], window: int,
 
 def _copy(state: KVState) -> KVState:
     """An independent copy: a tiered state clones (its cold layers shared, never written in place), others deep."""
-    return state.clone() if hasattr(state.cache, "cold") else copy.deepcopy(state)
+    return state.clone() if state.cold is not None else copy.deepcopy(state)
