@@ -10,12 +10,14 @@ among the layer's heads (the policy's allocator, :mod:`snapkv_sessions.allocate`
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from . import stats
 from .allocate import Allocator, Uniform, build_allocator
 from .attention import WindowProbe
 from .cache import History, first_slots
@@ -81,6 +83,7 @@ def compress(state: KVState, cfg: CompressionConfig, probe: WindowProbe, layout:
         kv_bytes_before=history.nbytes,
     )
     mass = history_attention(history, probe)  # a device scalar: read once, at the end
+    spread = window_concentration(probe) if stats.active() else None  # two device scalars, for the stats stream
     # the scorer the config names (snapkv_sessions.scorers): on CUDA the "snapkv" key builds the fused
     # Triton scorer, elsewhere the torch one (equal scores)
     scorer = build_scorer(cfg, ScoreContext(window, layout.num_kv_heads, layout.device, layout.tokenizer))
@@ -107,7 +110,7 @@ def compress(state: KVState, cfg: CompressionConfig, probe: WindowProbe, layout:
     if state.cache.keep(state, chosen, visible):  # a cache that fits every budget is left alone, and costs nothing
         report.select_ms = (t1 - t0) * 1e3
         report.gather_ms = (time.perf_counter() - t1) * 1e3
-    _fill_report(report, state, probe, mass, layout)
+    _fill_report(report, state, probe, mass, layout, spread)
     report.tier = state.cache.tier_report(state)
     state.reports.append(report)
     return report
@@ -125,7 +128,7 @@ def _select(history: History, probe: WindowProbe, scorer: Scorer, rule: KeepRule
 
 
 def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, mass: torch.Tensor | None,
-                 layout: Layout) -> None:
+                 layout: Layout, spread: torch.Tensor | None = None) -> None:
     """Per-layer counts for the report, read from the device in one transfer after all layers are done."""
     report.tokens_after = state.cache_lengths()  # slots held, padding included (what the memory costs)
     pinned = state.pinned.to(layout.device)  # (N,)
@@ -135,6 +138,8 @@ def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, 
     held = torch.stack([(pinned[p.clamp(min=0)] & (p >= 0)).sum(-1).min() for p in held_pos])  # (L,) fewest pins
     # counts stay below 2**24, so float32 carries them exactly alongside the attention mass
     parts = [real.flatten().float(), new.flatten().float(), held.float()]
+    if spread is not None:
+        parts.append(spread.float())
     if mass is not None:
         parts.append(mass.float().reshape(1))
     values = torch.cat(parts).tolist()
@@ -143,7 +148,34 @@ def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, 
     report.kept_new = [[int(v) for v in values[i : i + heads]] for i in range(n, 2 * n, heads)]
     report.pinned_kept = int(min(values[2 * n : 2 * n + held.numel()]))
     report.history_attention = values[-1] if mass is not None else None
+    if spread is not None:
+        at = 2 * n + held.numel()
+        report.window_top_mass, report.window_entropy = round(values[at], 4), round(values[at + 1], 4)
     report.kv_bytes_after = state.kv_bytes()
+
+
+TOP_SHARE = 0.1  # window_concentration: the share of the history's positions whose mass it measures
+
+
+def window_concentration(probe: WindowProbe) -> torch.Tensor | None:
+    """How concentrated the window's attention over the history (the window itself excluded) is, as a (2,) device
+    tensor: the mass on the top :data:`TOP_SHARE` of positions, and the entropy over log(positions) (1: even, 0:
+    one position), each the mean over layers and query heads; None when no layer has 10 history positions.
+
+    Attention that sits on a few positions is what SnapKV keeps well; attention spread evenly over the history is
+    what a budget cuts into (an operator watches both against the kept share)."""
+    tops, spreads = [], []
+    for scores in probe.scores.values():  # (B, Hq, T)
+        hist = scores[..., : scores.shape[-1] - probe.window].float()  # (B, Hq, n) the history's positions
+        n = hist.shape[-1]
+        if n < 10:
+            continue
+        p = hist / hist.sum(-1, keepdim=True).clamp_min(1e-30)  # (B, Hq, n) a distribution per query head
+        tops.append(p.topk(math.ceil(TOP_SHARE * n), dim=-1).values.sum(-1).mean())  # ()
+        spreads.append(-(p * p.clamp_min(1e-30).log()).sum(-1).mean() / math.log(n))  # ()
+    if not tops:
+        return None
+    return torch.stack([torch.stack(tops).mean(), torch.stack(spreads).mean()])  # (2,)
 
 
 def history_attention(history: History, probe: WindowProbe, sinks: int = 4) -> torch.Tensor | None:

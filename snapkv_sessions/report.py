@@ -48,6 +48,10 @@ class CompressionReport:
     kv_bytes_after: int = 0
     history_attention: float | None = None
     tier: dict | None = None
+    # the window's concentration (stats.CompressionStat): measured only while a stats sink listens, and left out
+    # of to_dict, so a turn record is the same with or without metrics
+    window_top_mass: float | None = None
+    window_entropy: float | None = None
 
     @property
     def compressed(self) -> bool:
@@ -68,6 +72,7 @@ class CompressionReport:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        del out["window_top_mass"], out["window_entropy"]
         out["compressed"] = self.compressed
         out["total_ms"] = self.total_ms
         return out

@@ -77,7 +77,7 @@ class Inline:
     def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:
         if isinstance(state.cache, CompactCache):
             state.cache.reserve(decoder.gen.max_new_tokens)  # once: no decode step reallocates
-        logits = first_logits
+        logits, last = first_logits, time.perf_counter()  # last: when the latest logits were ready
         while True:
             tok = decoder.accept(logits)
             if tok is not None:
@@ -86,8 +86,10 @@ class Inline:
                 break
             t0 = time.perf_counter()
             logits = self.runner.step(state, tok)
-            if stats.active():  # the step read every hot slot of every layer
-                stats.emit(stats.DecodeStepStat(1, 1, time.perf_counter() - t0, state.kv_bytes()))
+            now = time.perf_counter()
+            if stats.active():  # the step read every hot slot of every layer; the gap includes the reader's time
+                stats.emit(stats.DecodeStepStat(1, 1, now - t0, state.kv_bytes(), (now - last,)))
+            last = now
         state.pending, state.last_stop_reason = [decoder.last], decoder.reason
 
 

@@ -58,6 +58,7 @@ class Decoding:
     slot: Slot | None = None  # the pool's slot it decodes in, once admitted
     leaving: threading.Event = field(default_factory=threading.Event)  # its reader went away
     gone: threading.Event = field(default_factory=threading.Event)  # the scheduler no longer touches it
+    last_at: float = field(default_factory=time.perf_counter)  # when its latest logits were ready (first: prefill)
 
 
 @dataclass
@@ -220,13 +221,17 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         logits = self.pool.step(self.model_runner, [item.decoder.last for item in ready])  # (n, V)
-        seconds = time.perf_counter() - t0
+        now = time.perf_counter()
+        seconds = now - t0
         self.stats.step_s += seconds
+        gaps = tuple(now - item.last_at for item in ready)  # each row's inter-token latency
+        for item in ready:
+            item.last_at = now
         if stats.active():
             keys = self.pool.keys[0]  # (S, Hkv, T_cap, D): every layer's slot holds as many bytes per token
             per_token = 2 * keys.shape[1] * keys.shape[-1] * keys.element_size()
             read = sum(sum(item.slot.lengths) for item in ready) * per_token
-            stats.emit(stats.DecodeStepStat(len(ready), len(ready), seconds, read))
+            stats.emit(stats.DecodeStepStat(len(ready), len(ready), seconds, read, gaps))
         self.stats.steps += 1
         self.stats.rows += len(ready)
         self.stats.largest = max(self.stats.largest, len(ready))

@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Iterator
 from typing import TypedDict, Unpack
 
+import numpy as np
+
 from . import forks, stats
 from .admission import Admission, AdmissionError
 from .chat import Message
@@ -29,7 +31,7 @@ from .runner import ModelRunner, TurnRun
 from .store import SessionStore, StoreError
 from .sync import SessionSync
 from .transcript import Transcript, TurnPlan
-from .turn import Reply, TurnOutcome, close_failed, emit_turn
+from .turn import Reply, TurnFigures, TurnOutcome, close_failed, emit_turn, kept_jaccard
 
 
 class SessionOptions(TypedDict, total=False):
@@ -262,10 +264,22 @@ class Session(SessionSync):
         lost = next((payload["reason"] for kind, payload in out.events if kind == "tier_lost"), None)
         reason = ((f"{stats.REPREFILL_TIER_LOST}: {lost}" if lost else stats.REPREFILL_DRIFT)
                   if out.decision == "reprefill" else None)
-        emit_turn(self.id, turn, self.model_id, out.decision, reason, plan, result, state, replay=False)
+        emit_turn(self.id, turn, self.model_id, out.decision, reason, plan, result, state, replay=False,
+                  figures=self._figures(kept, result.prefill_end, roles, kept_per_role))
         self.last_reply = Reply.of_turn(self.id, turn, text.text, plan, result.tokens, (decode_tokens, pending),
                                         kept_per_role, out.timings, result.stop_reason, report=report,
                                         cache_tokens=state.cache_lengths(), events=events)
+
+    def _figures(self, kept: list[np.ndarray] | None, context: int, roles: dict[int, str],
+                 kept_per_role: dict[str, float]) -> TurnFigures | None:
+        """The turn's figures for the stats stream (None when nobody listens); remembers this turn's kept set
+        for the next turn's Jaccard."""
+        before, self._kept_before = self._kept_before, (kept, context) if kept is not None else None
+        if not stats.active() or kept is None:
+            return None
+        pinned = self.state.pinned.cpu().numpy()  # (N,) bool
+        return TurnFigures(kept_per_role, self.transcript.pinned_per_role(kept, context, roles, pinned),
+                           kept_jaccard(before[0], kept, before[1]) if before is not None else None)
 
     def _prior_reprefills(self) -> list[int]:
         """Turns that re-prefilled, in order (read only when a re-prefill is being decided)."""

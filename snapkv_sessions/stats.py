@@ -55,6 +55,7 @@ __all__ = [
     "REPREFILL_TIER_LOST",
     "FaultStat",
     "JsonFormatter",
+    "PoolStat",
     "LogSink",
     "SchedulerStepStat",
     "Stat",
@@ -109,6 +110,19 @@ class TurnStat:
     hot_bytes, cold_bytes: key+value bytes in the hot cache (device) and in the cold tier (host) after the turn's
         compression (as its turn record's ``compression`` holds them; the hot cache after the prefill when none ran)
     replay: True for a replayed or catch-up turn (rebuilding a cache from the store), False for a live one
+    kept_per_role: per role (``"system"``, ``"user"``, ...), the share of its positions still held after the
+        compression, mean over layers and KV heads (empty when no compression ran)
+    pinned_per_role: per role with pinned positions, ``(role, pinned tokens, retention)``: the retention is the
+        share of that role's pinned positions held by the head that holds fewest of them, which must be 1.0 (a
+        pin is never evicted); empty when no compression ran or nothing is pinned
+    kept_jaccard: the kept set's Jaccard similarity with the previous turn's, on the positions both turns saw,
+        mean over layers and KV heads; None on a session's first compressed turn in this process
+    recall_repeat_rate: decode-time recall: the share of recalled slots the same layer and head had recalled the
+        step before (what a device cache of the last step's recalls would hit); None when decode recalled nothing
+    recall_bytes_per_step: decode-time recall: bytes one step read besides the hot cache (the selector's summary or
+        cold keys, and the recalled keys and values); 0 without recall
+    summary_bytes: bytes of the recall selector's summary of the cold tier (what stays on a device beside the hot
+        cache); 0 without recall
     """
 
     session_id: str
@@ -128,6 +142,12 @@ class TurnStat:
     hot_bytes: int
     cold_bytes: int
     replay: bool
+    kept_per_role: tuple[tuple[str, float], ...] = ()
+    pinned_per_role: tuple[tuple[str, int, float], ...] = ()
+    kept_jaccard: float | None = None
+    recall_repeat_rate: float | None = None
+    recall_bytes_per_step: int = 0
+    summary_bytes: int = 0
 
     @property
     def total_s(self) -> float:
@@ -149,6 +169,10 @@ class CompressionStat:
         top-k) and gathering the compressed key/value tensors, all layers
     history_attention: the observation window's attention mass on the cache as it was before this prefill, in
         [0, 1] (see :class:`~snapkv_sessions.report.CompressionReport`); None on a first prefill
+    window_top_mass: how concentrated the window's attention is: the share of its mass over the history (window
+        excluded) on the top 10% of positions, mean over layers and query heads; None when not measured
+    window_entropy: the entropy of that distribution over its log(positions), in [0, 1] (1: spread evenly, 0: one
+        position), mean over layers and query heads; None when not measured
     """
 
     context_tokens: int
@@ -159,6 +183,8 @@ class CompressionStat:
     select_s: float
     gather_s: float
     history_attention: float | None
+    window_top_mass: float | None = None
+    window_entropy: float | None = None
 
     @classmethod
     def from_report(cls, report: CompressionReport) -> CompressionStat:
@@ -173,6 +199,8 @@ class CompressionStat:
             select_s=report.select_ms / 1000.0,
             gather_s=report.gather_ms / 1000.0,
             history_attention=report.history_attention,
+            window_top_mass=report.window_top_mass,
+            window_entropy=report.window_entropy,
         )
 
 
@@ -186,12 +214,15 @@ class DecodeStepStat:
     tokens: tokens the step produced, all rows (== batch_size unless some rows had already finished)
     seconds: wall-clock seconds of the step
     kv_bytes_read: key+value bytes the step's attention read, all rows and layers
+    gaps: per token the step produced, the seconds since its row's previous token (its inter-token latency, as
+        the reader of that row saw it); empty when not measured
     """
 
     batch_size: int
     tokens: int
     seconds: float
     kv_bytes_read: int
+    gaps: tuple[float, ...] = ()
 
 
 TierEventKind = Literal["streamed", "recalled", "lost", "spilled", "evicted", "restored"]
@@ -218,6 +249,25 @@ class TierEvent:
     nbytes: int
     slots: int
     reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStat:
+    """The process's pool of cold tiers (:mod:`snapkv_sessions.tierpool`) after a turn released its tier and the
+    pool enforced its cap.
+
+    Attributes
+    ----------
+    host_bytes: key+value bytes the cold tiers hold in host memory, all sessions
+    cap_bytes: the pool's byte cap (``memory.max_bytes``)
+    tiers: sessions with a cold tier in the pool
+    spilled: of those, tiers spilled to disk (read back on their session's next turn)
+    """
+
+    host_bytes: int
+    cap_bytes: int
+    tiers: int
+    spilled: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,14 +378,15 @@ class QueueStat:
     waiting: int
 
 
-Stat = (TurnStat | CompressionStat | DecodeStepStat | TierEvent | SchedulerStepStat | FaultStat | RequestStat
-        | QueueStat)
+Stat = (TurnStat | CompressionStat | DecodeStepStat | TierEvent | PoolStat | SchedulerStepStat | FaultStat
+        | RequestStat | QueueStat)
 
 _KINDS: dict[type, str] = {
     TurnStat: "turn",
     CompressionStat: "compression",
     DecodeStepStat: "decode_step",
     TierEvent: "tier",
+    PoolStat: "pool",
     SchedulerStepStat: "scheduler_step",
     FaultStat: "fault",
     RequestStat: "request",
@@ -345,7 +396,7 @@ _KINDS: dict[type, str] = {
 
 def stat_kind(stat: Stat) -> str:
     """The stat's kind as a short name (``"turn"``, ``"compression"``, ``"decode_step"``, ``"tier"``,
-    ``"scheduler_step"``, ``"fault"``, ``"request"``, ``"queue"``): the key in :meth:`Counter.to_dict` and the
+    ``"pool"``, ``"scheduler_step"``, ``"fault"``, ``"request"``, ``"queue"``): the key in :meth:`Counter.to_dict` and the
     ``stat_type`` of a log record."""
     return _KINDS.get(type(stat)) or type(stat).__name__
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import numpy as np
+
 from . import stats
 from .chat import Message
 from .drift import DriftMonitor
@@ -66,6 +68,7 @@ class SessionSync(SessionMessages):
                                            refeed_reply=self.policy.tiered and memory.refeed_reply,
                                            recall=memory.recall if self.policy.tiered else None)
         self.transcript.reset()
+        self._kept_before: tuple[list[np.ndarray], int] | None = None  # the last live compression's kept set
 
     # ------------------------------------------------------------------ one plan on the cache
 

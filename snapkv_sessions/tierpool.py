@@ -124,6 +124,10 @@ class TierPool:
                     cold.drop(reason)
                     _event("lost", cold, MEMORY_LIMIT, held)
                 evicted.append(cold)
+            live = self._live() if stats.active() else None
+        if live is not None:  # the pool as it stands after each turn (emitted outside the lock): the process's gauges
+            stats.emit(stats.PoolStat(sum(t.nbytes for t in live), self.max_bytes, len(live),
+                                      sum(t.spilled is not None for t in live)))
         return evicted
 
 

@@ -397,15 +397,40 @@ class Transcript:
             out[seq] = (out[seq][0], end) if seq in out else (start, end)
         return out
 
+    def _owner_roles(self, context: int, roles: dict[int, str]) -> np.ndarray:
+        """(context,) the index in ROLES of the role owning each of the first ``context`` true positions; a seq
+        missing from ``roles`` is the reply being written."""
+        return np.concatenate([np.full(min(b, context) - a, ROLES.index(roles.get(s, "assistant")))
+                               for s, a, b in self.runs if a < context])
+
     def kept_per_role(self, kept: list[np.ndarray], context: int, roles: dict[int, str]) -> dict[str, float]:
         """Share of each role's first ``context`` positions still held, averaged over layers and KV heads.
 
         ``kept[l]`` is (Hkv, K) true positions, -1 at padding slots (heads keeping uneven counts); a seq missing
         from ``roles`` is the reply being written.
         """
-        owner_role = np.concatenate([np.full(min(b, context) - a, ROLES.index(roles.get(s, "assistant")))
-                                     for s, a, b in self.runs if a < context])  # (context,)
+        owner_role = self._owner_roles(context, roles)  # (context,)
         total = np.bincount(owner_role, minlength=len(ROLES)).astype(float)
         held = sum(np.bincount(owner_role[k[(k >= 0) & (k < context)]], minlength=len(ROLES)) for k in kept) / (
             len(kept) * kept[0].shape[0])
         return {r: round(float(held[i] / total[i]), 4) for i, r in enumerate(ROLES) if total[i] > 0}
+
+    def pinned_per_role(self, kept: list[np.ndarray], context: int, roles: dict[int, str],
+                        pinned: np.ndarray) -> dict[str, tuple[int, float]]:
+        """Per role with pinned positions among the first ``context``: (pinned tokens, retention), the retention
+        being the share of them held by the layer and KV head holding fewest (a pin is never evicted: 1.0).
+
+        ``kept`` as for :meth:`kept_per_role`; ``pinned`` (N >= context,) bool over true positions.
+        """
+        owner_role = self._owner_roles(context, roles)  # (context,)
+        pins = np.asarray(pinned[:context], dtype=bool)  # (context,)
+        total = np.bincount(owner_role[pins], minlength=len(ROLES))  # (R,) pinned positions per role
+        if not total.any():
+            return {}
+        fewest = total.copy()
+        for layer in kept:  # (Hkv, K)
+            for head in layer:  # (K,)
+                k = head[(head >= 0) & (head < context)]
+                k = k[pins[k]]  # the pinned positions this head holds
+                fewest = np.minimum(fewest, np.bincount(owner_role[k], minlength=len(ROLES)))
+        return {r: (int(total[i]), round(float(fewest[i] / total[i]), 4)) for i, r in enumerate(ROLES) if total[i]}

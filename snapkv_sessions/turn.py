@@ -85,20 +85,51 @@ class TurnOutcome:
                                                if k not in ("kept", "kept_new")})]
 
 
+@dataclass(frozen=True)
+class TurnFigures:
+    """What a live turn's stat carries besides the plan and result (:func:`emit_turn`): per role, the share kept
+    and the pinned tokens with their retention; the kept set's Jaccard with the previous turn's."""
+
+    kept_per_role: dict[str, float]
+    pinned_per_role: dict[str, tuple[int, float]]
+    kept_jaccard: float | None
+
+
+def kept_jaccard(before: list[np.ndarray], now: list[np.ndarray], seen: int) -> float:
+    """How stable the kept set is between two compressions: per layer and KV head, |A and B| / |A or B| of the
+    true positions ``before`` kept and those ``now`` keeps among the first ``seen`` (the positions ``before``
+    could keep), mean over layers and heads. Each is per layer (Hkv, K), -1 at padding."""
+    shares = []
+    for old, new in zip(before, now, strict=True):  # (Hkv, K), (Hkv, K')
+        for a, b in zip(old, new, strict=True):
+            a, b = a[a >= 0], b[(b >= 0) & (b < seen)]
+            union = np.union1d(a, b).size
+            shares.append(np.intersect1d(a, b).size / union if union else 1.0)
+    return round(float(np.mean(shares)), 4)
+
+
 def emit_turn(session_id: str, turn: int, model: str, decision: str, reason: str | None, plan: TurnPlan,
-              result: TurnResult, state, replay: bool) -> None:
+              result: TurnResult, state, replay: bool, figures: TurnFigures | None = None) -> None:
     """A finished turn to the stats stream (:mod:`snapkv_sessions.stats`): its :class:`~stats.TurnStat`, its
     compression's and the tier's streamed and recalled slots; nothing is built when no sink listens."""
     if not stats.active():
         return
     report = result.report
     tier = (report.tier if report is not None else None) or {}
+    recall = tier.get("recall") or {}
+    reads = recall.get("read_bytes_per_step") or {}
     hot = tier.get("hot_bytes", report.kv_bytes_after if report is not None else state.kv_bytes())
     stats.emit(stats.TurnStat(
         session_id, turn, model, decision, reason, len(plan.tokens), result.prefilled, len(result.tokens),
         result.prefill_end, tuple(report.tokens_after if report is not None else state.cache_lengths()),
         result.prefill_ms / 1e3, result.decode_ms / 1e3, report.total_ms / 1e3 if report is not None else 0.0,
-        int(tier.get("recalled", 0)), int(hot), int(tier.get("cold_bytes", 0)), replay))
+        int(tier.get("recalled", 0)), int(hot), int(tier.get("cold_bytes", 0)), replay,
+        kept_per_role=tuple(figures.kept_per_role.items()) if figures else (),
+        pinned_per_role=tuple((r, n, kept) for r, (n, kept) in figures.pinned_per_role.items()) if figures else (),
+        kept_jaccard=figures.kept_jaccard if figures else None,
+        recall_repeat_rate=recall.get("repeat_rate"),
+        recall_bytes_per_step=int(reads.get("select", 0) + reads.get("recalled", 0)),
+        summary_bytes=int(recall.get("summary_bytes", 0))))
     if report is not None:
         stats.emit(stats.CompressionStat.from_report(report))
     if tier.get("streamed_bytes"):

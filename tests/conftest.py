@@ -160,9 +160,10 @@ def word_tokenizer():
 TINY_POLICY = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"}}
 
 
-def tiny_app(tmp_path, **options):
-    """The server's app in process on a tiny Qwen2 model ("tiny", no batching, 3-token replies) and a SQLite store
-    under ``tmp_path``: (app, its TestClient, the Service). ``options``: :class:`ServeOptions` fields."""
+def tiny_app(tmp_path, policy: dict | None = None, batch: int = 0, max_tokens: int = 3, **options):
+    """The server's app in process on a tiny Qwen2 model ("tiny", ``batch`` decode slots, by default none, and
+    ``max_tokens``-token replies) under ``policy`` (default :data:`TINY_POLICY`) and a SQLite store under
+    ``tmp_path``: (app, its TestClient, the Service). ``options``: :class:`ServeOptions` fields."""
     from fastapi.testclient import TestClient
 
     from snapkv_sessions.serve import Capacity, ServeOptions, Service, create_app
@@ -170,8 +171,8 @@ def tiny_app(tmp_path, **options):
 
     model = build_tiny("qwen2")
     model.config._name_or_path = "tiny"
-    service = Service((model, word_tokenizer()), TINY_POLICY, SessionStore(f"sqlite:///{tmp_path / 's.db'}"),
-                      Capacity(batch=0, max_tokens=3))
+    service = Service((model, word_tokenizer()), policy or TINY_POLICY,
+                      SessionStore(f"sqlite:///{tmp_path / 's.db'}"), Capacity(batch=batch, max_tokens=max_tokens))
     app = create_app(service, ServeOptions(**options))
     return app, TestClient(app, raise_server_exceptions=False), service
 

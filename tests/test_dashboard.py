@@ -33,7 +33,9 @@ def _every_stat() -> list[stats.Stat]:
     turn = stats.TurnStat(session_id="s", turn=2, model="m", decision="reprefill",
                           reprefill_reason=stats.REPREFILL_DRIFT, prompt_tokens=3, prefilled_tokens=9,
                           decoded_tokens=4, context_tokens=9, hot_tokens=(8, 8), prefill_s=0.5, decode_s=0.2,
-                          compression_s=0.05, recalled_slots=2, hot_bytes=1 << 20, cold_bytes=1 << 18, replay=False)
+                          compression_s=0.05, recalled_slots=2, hot_bytes=1 << 20, cold_bytes=1 << 18, replay=False,
+                          kept_per_role=(("system", 1.0), ("user", 0.4)), pinned_per_role=(("system", 12, 1.0),),
+                          kept_jaccard=0.8, recall_repeat_rate=0.5, recall_bytes_per_step=4096, summary_bytes=1024)
     return [
         stats.RequestStat(status=200, code="ok", stopped=None, stream=True, finish_reason="stop", queue_s=0.01,
                           ttft_s=0.6, decode_s=0.3, e2e_s=1.0, prompt_tokens=3, completion_tokens=4),
@@ -42,8 +44,10 @@ def _every_stat() -> list[stats.Stat]:
         stats.QueueStat(running=1, waiting=2),
         turn,
         stats.CompressionStat(context_tokens=9, window=2, budgets=(8, 8), kept=((8, 7), (6, 8)), score_s=0.01,
-                              select_s=0.01, gather_s=0.01, history_attention=0.4),
-        stats.DecodeStepStat(batch_size=2, tokens=2, seconds=0.05, kv_bytes_read=1 << 20),
+                              select_s=0.01, gather_s=0.01, history_attention=0.4, window_top_mass=0.6,
+                              window_entropy=0.7),
+        stats.DecodeStepStat(batch_size=2, tokens=2, seconds=0.05, kv_bytes_read=1 << 20, gaps=(0.05, 0.07)),
+        stats.PoolStat(host_bytes=1 << 20, cap_bytes=1 << 30, tiers=3, spilled=1),
         stats.SchedulerStepStat(running=2, waiting=0, calls=1, step_s=0.05),
         stats.TierEvent(kind="lost", session_id="s", nbytes=4096, slots=12, reason="memory_limit"),
         stats.TierEvent(kind="recalled", session_id="s", nbytes=0, slots=2, reason=None),
@@ -76,7 +80,7 @@ def test_every_query_reads_metrics_and_labels_the_server_exports():
     dashboard = json.loads(DASHBOARD.read_text())
     exported = _exported()
     queries = _queries(dashboard)
-    assert len(queries) == 40  # 39 panel targets and the model variable
+    assert len(queries) == 58  # 57 panel targets and the model variable
     used: set[str] = set()
     for where, expr in queries:
         names = set(METRIC.findall(expr))
@@ -90,13 +94,18 @@ def test_every_query_reads_metrics_and_labels_the_server_exports():
         assert labels <= allowed, f"{where}: labels {sorted(labels - allowed)} not on {sorted(names)}"
         used |= names
     # the panels the operations page lists: latency quantiles, load, tokens, errors, re-prefills, tier, kept share,
-    # compression share, KV read, recall
+    # compression share, KV read, recall, and the compression-safety row (pins, roles, stability, ITL, pool)
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:request_time_per_output_token_seconds_bucket",
             "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_running", "vllm:num_requests_waiting",
             "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "snapkv:request_errors_total",
             "snapkv:reprefills_total", "snapkv:tier_events_total", "snapkv:kept_share_bucket",
             "snapkv:compression_prefill_ratio_bucket", "snapkv:decode_kv_bytes_read_sum",
-            "snapkv:recalled_slots_total"} <= used
+            "snapkv:recalled_slots_total", "vllm:inter_token_latency_seconds_bucket",
+            "snapkv:pinned_tokens_evicted_total", "snapkv:pinned_tokens_total", "snapkv:kept_share_by_role_bucket",
+            "snapkv:kept_jaccard_bucket", "snapkv:window_top_mass_bucket", "snapkv:window_entropy_bucket",
+            "snapkv:turn_hot_share_bucket", "snapkv:turn_device_bytes_bucket", "snapkv:tier_pool_bytes",
+            "snapkv:tier_pool_cap_bytes", "snapkv:tier_pool_tiers", "snapkv:recall_repeat_rate_bucket",
+            "snapkv:recall_bytes_per_step_bucket"} <= used
 
 
 def test_the_dashboard_imports_with_a_prometheus_input_and_a_clean_grid():
@@ -104,9 +113,9 @@ def test_the_dashboard_imports_with_a_prometheus_input_and_a_clean_grid():
     (source,) = dashboard["__inputs"]
     assert (source["name"], source["type"], source["pluginId"]) == ("DS_PROMETHEUS", "datasource", "prometheus")
     panels = dashboard["panels"]
-    assert len({p["id"] for p in panels}) == len(panels) == 24
+    assert len({p["id"] for p in panels}) == len(panels) == 33
     charts = [p for p in panels if p["type"] != "row"]
-    assert len(charts) == 19
+    assert len(charts) == 27
     for p in charts:
         assert p["datasource"] == DATASOURCE and all(t["datasource"] == DATASOURCE for t in p["targets"])
         assert len({t["refId"] for t in p["targets"]}) == len(p["targets"]) > 0

@@ -129,6 +129,72 @@ def test_counts_equal_the_requests_and_turn_records_and_series_do_not_grow_with_
     assert total(samples, "vllm:num_requests_running") == total(samples, "vllm:num_requests_waiting") == 0
 
 
+@pytest.mark.parametrize("batch", [0, 2])
+def test_compression_safety_signals_equal_the_turn_records(tmp_path, batch):
+    """Pinned tokens per role and their retention, kept share per role, kept-set Jaccard, window concentration,
+    inter-token latency, hot share, device bytes, recall and the cold-tier pool: each against the turn records of a
+    known workload (3 sessions x 3 turns, tiered with decode-time recall, a system message pinned), run through the
+    server's own runner (with ``batch``, its scheduler) while the app runs, and scraped from its ``/metrics``.
+
+    The sessions are driven through the Python API in the server's process (the sink sees every stat of the
+    process): the tiny model's word tokenizer does not render its own replies back to the same tokens, so an HTTP
+    client could not continue them (the live-server test below continues sessions over HTTP on a real model)."""
+    from snapkv_sessions import Session
+    from snapkv_sessions.tierpool import POOL
+
+    policy = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"},
+              "memory": {"cold": True, "recall": {"budget": 2, "selector": "exact"}}}
+    _app, client, service = tiny_app(tmp_path, policy=policy, batch=batch)
+    words = "the special magic number is hidden within following text of many words".split()
+    with client:
+        live = []  # held to the end: the pool's tiers are the live sessions'
+        for i in range(3):
+            session = Session.create_on(service.runner, service.model_id, service.policy, service.store,
+                                        {"system": f"rule {i}: answer with numbers only"})
+            for t in range(3):
+                session.chat(" ".join(words[(i + t + j) % len(words)] for j in range(9)), max_new_tokens=2)
+            live.append(session)
+        samples = scrape(client.get("/metrics").text)
+    store = service.store
+    sessions = [[t for t in store.turns(r["id"], status="done")] for r in store.list_sessions()]
+    assert [len(turns) for turns in sessions] == [3, 3, 3]  # every turn continued its session
+    turns = [t for turns in sessions for t in turns]
+    compressed = [t for t in turns if t["compression"] is not None]
+    assert len(compressed) == len(turns)  # the 16-token budget is below every turn's context
+    # pins: every pinned position of every compressed turn counted once, by role, and none evicted
+    pinned = sum(t["compression"]["pinned_total"] for t in compressed)
+    assert total(samples, "snapkv:pinned_tokens_total") == pinned > 0
+    assert total(samples, "snapkv:pinned_tokens_total", role="system") > 0
+    assert total(samples, "snapkv:pinned_tokens_evicted_total") == 0
+    assert all(t["compression"]["pinned_kept"] == t["compression"]["pinned_total"] for t in compressed)
+    assert total(samples, "snapkv:pinned_retention_bucket", le="0.99") == 0  # retention 1.0 every time
+    # kept share per role: one observation per compressed turn and role, summing to the records' shares
+    assert total(samples, "snapkv:kept_share_by_role_count") == sum(len(t["kept_per_role"]) for t in compressed)
+    assert total(samples, "snapkv:kept_share_by_role_sum") == pytest.approx(
+        sum(v for t in compressed for v in t["kept_per_role"].values()))
+    assert total(samples, "snapkv:kept_share_by_role_sum", role="system") == pytest.approx(
+        sum(t["kept_per_role"]["system"] for t in compressed))
+    # kept-set Jaccard: a compressed turn whose previous turn was compressed too
+    pairs = sum(b["compression"] is not None and a["compression"] is not None
+                for turns in sessions for a, b in zip(turns, turns[1:], strict=False))
+    assert total(samples, "snapkv:kept_jaccard_count") == pairs > 0
+    # the window's concentration: once per compression
+    assert total(samples, "snapkv:window_top_mass_count") == len(compressed)
+    assert total(samples, "snapkv:window_entropy_count") == len(compressed)
+    # inter-token latency: one gap per decode step, and a turn's decode steps are its tokens fed into the cache
+    assert total(samples, "vllm:inter_token_latency_seconds_count") == sum(len(t["decode_tokens"]) for t in turns)
+    # memory: hot share and device bytes once per live turn; recall as the records say
+    assert total(samples, "snapkv:turn_hot_share_count") == len(turns)
+    recalling = [t["compression"]["tier"]["recall"] for t in compressed if t["compression"]["tier"].get("recall")]
+    assert recalling and total(samples, "snapkv:recall_repeat_rate_count") == len(recalling)
+    assert total(samples, "snapkv:turn_device_bytes_sum") == sum(
+        t["compression"]["tier"]["hot_bytes"] + (t["compression"]["tier"].get("recall") or {}).get("summary_bytes", 0)
+        for t in compressed)
+    # the pool's gauge: what the process's cold tiers hold now
+    assert total(samples, "snapkv:tier_pool_bytes") == POOL.nbytes > 0
+    assert total(samples, "snapkv:tier_pool_tiers", where="host") >= 3
+
+
 def _stats(**fields):
     base = {"session_id": "s", "turn": 1, "model": "m", "decision": "kept", "reprefill_reason": None,
             "prompt_tokens": 3, "prefilled_tokens": 3, "decoded_tokens": 2, "context_tokens": 5, "hot_tokens": (5,),
@@ -288,3 +354,70 @@ def test_a_turn_stopped_by_its_deadline_is_counted_by_cause(tmp_path):
     assert total(samples, "snapkv:requests_stopped_total", cause="deadline") == 1
     assert total(samples, "vllm:request_queue_time_seconds_count") == 1  # it had started
     assert [t["status"] for r in service.store.list_sessions() for t in service.store.turns(r["id"])] == ["abandoned"]
+
+
+@pytest.mark.slow
+@pytest.mark.bundle
+def test_a_reprefill_and_an_abandoned_stream_scraped_from_a_live_server(tmp_path):
+    """A live server whose cold-tier pool holds 1 byte: a session's first turn is compressed and its tier dropped
+    by the pool, so its second turn re-prefills (cause tier_lost); a stream left after its first piece is
+    abandoned (499, stopped by client_left). The scrape equals the turn records and the responses."""
+    pytest.importorskip("openai")
+    from test_serve import KEY_A, MODEL, POLICY, Server
+
+    from snapkv_sessions.store import SessionStore
+
+    if not bundle_available(MODEL):
+        pytest.skip(f"bundle {MODEL} not installed")
+    policy = {**POLICY, "memory": {"cold": True, "max_bytes": 1}}
+    srv = Server(tmp_path, "--api-key", KEY_A, policy=policy)
+    root = srv.url.removesuffix("/v1")
+    store = SessionStore(f"sqlite:///{srv.db}")
+    try:
+        doc = " ".join(f"Shelf {i} holds {i * 7 % 13} crates of item {i}." for i in range(60))  # > the 256 budget
+        msgs = [{"role": "system", "content": "You are a terse assistant."},
+                {"role": "user", "content": f"{doc}\nWhat does shelf 3 hold?"}]
+        usages = []
+        for question in (None, "And shelf 4?"):
+            if question:
+                msgs.append({"role": "user", "content": question})
+            res = srv.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+            usages.append(res.usage)
+            msgs.append({"role": "assistant", "content": res.choices[0].message.content})
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story about a fox."}],
+                "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/chat/completions", json=body, headers=srv.auth(KEY_A),
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    break  # leave after the first piece: the connection closes with the block
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the server notices at its next write
+            abandoned = [t for row in store.list_sessions() for t in store.turns(row["id"], status="abandoned")]
+            samples = scrape(httpx.get(f"{root}/metrics", timeout=10).text)
+            if abandoned and total(samples, "snapkv:request_errors_total", status="499") == 1:
+                break
+            time.sleep(0.5)
+    finally:
+        srv.stop()
+    turns = [t for row in store.list_sessions() for t in store.turns(row["id"], status="done")]
+    assert len(turns) == 2 and len(abandoned) == 1
+    assert [t["drift_decision"] for t in turns] == ["n/a", "reprefill"]  # a first turn decides nothing
+    assert total(samples, "snapkv:reprefills_total", cause="tier_lost") == 1 == total(samples, "snapkv:reprefills_total")
+    assert total(samples, "snapkv:tier_events_total", kind="lost", reason="memory_limit") >= 1
+    assert total(samples, "snapkv:request_errors_total", status="499", code="client_disconnected") == 1
+    assert total(samples, "snapkv:requests_stopped_total", cause="client_left") == 1
+    assert total(samples, "vllm:request_success_total") == 2
+    # an abandoned turn is no finished turn: its tokens are not counted (the request is, as a 499)
+    assert total(samples, "vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages) == sum(
+        t["tokens_in"] for t in turns)
+    # the re-prefill ran the whole history through the model again: its plan holds the first turn's tokens too
+    assert turns[1]["tokens_in"] > turns[0]["tokens_in"]
+    assert total(samples, "snapkv:prefilled_tokens_total", replay="false") == sum(t["tokens_in"] for t in turns)
+    # the pins held: the system message and the sinks, every compressed turn
+    compressed = [t for t in turns if t["compression"] is not None]
+    assert compressed and total(samples, "snapkv:pinned_tokens_total") == sum(
+        t["compression"]["pinned_total"] for t in compressed)
+    assert total(samples, "snapkv:pinned_tokens_evicted_total") == 0
+    # every done turn's decode steps gave a gap (the abandoned stream's steps too, before it stopped)
+    assert total(samples, "vllm:inter_token_latency_seconds_count") >= sum(len(t["decode_tokens"]) for t in turns)

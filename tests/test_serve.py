@@ -30,14 +30,14 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 
 class Server:
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, policy: dict | None = None) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.db = tmp / "sessions.db"
-        policy = tmp / "policy.json"
-        policy.write_text(json.dumps(POLICY))
+        policy_file = tmp / "policy.json"
+        policy_file.write_text(json.dumps(policy or POLICY))
         # fp32 whatever the CPU: these tests compare replies exactly (batched against alone, verify), and in
         # bf16 (serve's `auto` on a CPU with AVX-512 BF16) a batched reply can part from the same turn alone
-        self.proc, self.url = start_server(MODEL, tmp, "--policy", str(policy), "--max-tokens", "12",
+        self.proc, self.url = start_server(MODEL, tmp, "--policy", str(policy_file), "--max-tokens", "12",
                                            "--warm-tokens", "64", "--dtype", "float32", *args,  # a short warm start
                                            wait_s=180)
 

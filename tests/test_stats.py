@@ -406,3 +406,38 @@ def test_configure_logging_rejects_bad_arguments(package_logger, kwargs, param):
     assert info.value.param == param
     assert param in str(info.value)
     assert package_logger.handlers == handlers  # nothing installed on a rejected call
+
+
+def test_pinned_per_role_counts_the_head_holding_fewest_pins():
+    """Pinned positions per role and their retention, on a constructed transcript: 4 system positions (0-3, all
+    pinned), 4 user positions (4-7, 6 pinned); the retention is the share held by the layer and head holding fewest."""
+    import numpy as np
+    from conftest import word_tokenizer
+
+    from snapkv_sessions.policy import PinPolicy
+    from snapkv_sessions.transcript import Transcript
+
+    transcript = Transcript(word_tokenizer(), PinPolicy())
+    transcript.runs = [(1, 0, 4), (2, 4, 8)]
+    roles = {1: "system", 2: "user"}
+    pinned = np.array([True] * 4 + [False, False, True, False])
+    every = [np.array([[0, 1, 2, 3, 6, 7], [0, 1, 2, 3, 5, 6]])]  # one layer, two heads: every pin held
+    assert transcript.pinned_per_role(every, 8, roles, pinned) == {"system": (4, 1.0), "user": (1, 1.0)}
+    # a second layer whose second head lost system position 2 (and holds -1 padding)
+    lossy = [*every, np.array([[0, 1, 2, 3, 6, -1], [0, 1, 3, 6, -1, -1]])]
+    assert transcript.pinned_per_role(lossy, 8, roles, pinned) == {"system": (4, 0.75), "user": (1, 1.0)}
+    # positions past the context are not counted; nothing pinned: nothing to report
+    assert transcript.pinned_per_role(every, 4, roles, pinned) == {"system": (4, 1.0)}
+    assert transcript.pinned_per_role(every, 8, roles, np.zeros(8, dtype=bool)) == {}
+
+
+def test_kept_jaccard_compares_the_positions_both_turns_saw():
+    import numpy as np
+
+    from snapkv_sessions.turn import kept_jaccard
+
+    before = [np.array([[0, 1, 2, 3], [0, 1, 2, -1]])]  # one layer, two heads; -1: padding
+    now = [np.array([[0, 1, 2, 3, 8, 9], [0, 4, 5, 8, 9, -1]])]  # 8 and 9 are new: not seen before
+    # head 0: {0,1,2,3} vs {0,1,2,3}: 1.0; head 1: {0,1,2} vs {0,4,5}: 1/5
+    assert kept_jaccard(before, now, seen=8) == 0.6
+    assert kept_jaccard(before, before, seen=8) == 1.0

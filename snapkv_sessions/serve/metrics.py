@@ -109,6 +109,31 @@ class PrometheusSink:
         self.cold_bytes = Histogram("snapkv:turn_cold_bytes", "Key and value bytes in the cold tier (host) after a "
                                     "live turn.", m, registry=r, buckets=BYTES_BUCKETS)
         self.recalled = Counter("snapkv:recalled_slots", "Cache slots recalled from the cold tier.", m, registry=r)
+        self.hot_share = Histogram("snapkv:turn_hot_share", "After a live turn, the hot cache's slots over the full "
+                                   "cache's (every layer holding every position).", m, registry=r,
+                                   buckets=SHARE_BUCKETS)
+        self.device_bytes = Histogram("snapkv:turn_device_bytes", "Bytes a live turn keeps where decode runs: the hot "
+                                      "cache plus the recall selector's summary.", m, registry=r,
+                                      buckets=BYTES_BUCKETS)
+        self.kept_role = Histogram("snapkv:kept_share_by_role", "Per compressed live turn and role, the share of the "
+                                   "role's positions kept.", [*m, "role"], registry=r, buckets=SHARE_BUCKETS)
+        self.pinned = Counter("snapkv:pinned_tokens", "Pinned positions of compressed live turns, by role.",
+                              [*m, "role"], registry=r)
+        self.pinned_lost = Counter("snapkv:pinned_tokens_evicted", "Pinned positions some layer or KV head no "
+                                   "longer held after a compression, by role (must stay 0).", [*m, "role"],
+                                   registry=r)
+        self.pinned_retention = Histogram("snapkv:pinned_retention", "Per compressed live turn and role with pins, "
+                                          "the share of its pins held by the head holding fewest (must be 1.0).",
+                                          [*m, "role"], registry=r, buckets=SHARE_BUCKETS)
+        self.jaccard = Histogram("snapkv:kept_jaccard", "The kept set's Jaccard similarity with the session's "
+                                 "previous compressed turn, on the positions both saw.", m, registry=r,
+                                 buckets=SHARE_BUCKETS)
+        self.recall_repeat = Histogram("snapkv:recall_repeat_rate", "Per recalling live turn, the share of recalled "
+                                       "slots recalled the step before (a device recall cache's hit rate).", m,
+                                       registry=r, buckets=SHARE_BUCKETS)
+        self.recall_bytes = Histogram("snapkv:recall_bytes_per_step", "Per recalling live turn, bytes a decode step "
+                                      "read besides the hot cache (selector reads, recalled keys and values).", m,
+                                      registry=r, buckets=BYTES_BUCKETS)
 
         # ---- compressions (CompressionStat)
         self.compressions = Counter("snapkv:compressions", "SnapKV compressions.", m, registry=r)
@@ -117,11 +142,19 @@ class PrometheusSink:
         self.history_attention = Histogram("snapkv:window_history_attention", "The observation window's attention "
                                            "mass on the cache as it was before the prefill.", m, registry=r,
                                            buckets=SHARE_BUCKETS)
+        self.top_mass = Histogram("snapkv:window_top_mass", "The window's attention mass over the history on its "
+                                  "top 10% of positions (mean over layers and heads).", m, registry=r,
+                                  buckets=SHARE_BUCKETS)
+        self.entropy = Histogram("snapkv:window_entropy", "The entropy of the window's attention over the history, "
+                                 "over log(positions) (mean over layers and heads).", m, registry=r,
+                                 buckets=SHARE_BUCKETS)
 
         # ---- decode steps and the scheduler (DecodeStepStat, SchedulerStepStat)
         self.steps = Counter("snapkv:decode_steps", "Decode steps (a batched step counts once).", m, registry=r)
         self.step_time = Histogram("snapkv:decode_step_seconds", "Seconds of one decode step's forward.", m,
                                    registry=r, buckets=TPOT_BUCKETS)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Seconds between two consecutive tokens of a "
+                             "reply, as its reader saw them.", m, registry=r, buckets=TPOT_BUCKETS)
         self.batch = Histogram("snapkv:decode_batch_size", "Rows (turns) in a decode step.", m, registry=r,
                                buckets=BATCH_BUCKETS)
         self.kv_read = Histogram("snapkv:decode_kv_bytes_read", "Key and value bytes one decode step read, all rows "
@@ -138,6 +171,12 @@ class PrometheusSink:
         self.tier_bytes = Counter("snapkv:tier_bytes", "Key and value bytes of tier events, by kind.", [*m, "kind"],
                                   registry=r)
         self.faults = Counter("snapkv:faults", "Faults the engine recovered from, by kind.", [*m, "kind"], registry=r)
+        self.pool_bytes = Gauge("snapkv:tier_pool_bytes", "Key and value bytes every cold tier of the process "
+                                "holds in host memory.", m, registry=r)
+        self.pool_cap = Gauge("snapkv:tier_pool_cap_bytes", "The cold-tier pool's byte cap (memory.max_bytes).", m,
+                              registry=r)
+        self.pool_tiers = Gauge("snapkv:tier_pool_tiers", "Sessions with a cold tier in the pool: in host memory "
+                                "or spilled to disk.", [*m, "where"], registry=r)
 
     # ------------------------------------------------------------------ the sink
 
@@ -185,6 +224,21 @@ class PrometheusSink:
         self.hot_bytes.labels(m).observe(s.hot_bytes)
         self.cold_bytes.labels(m).observe(s.cold_bytes)
         self.recalled.labels(m).inc(s.recalled_slots)
+        if s.hot_tokens and s.context_tokens > 0:
+            self.hot_share.labels(m).observe(sum(s.hot_tokens) / (len(s.hot_tokens) * s.context_tokens))
+        self.device_bytes.labels(m).observe(s.hot_bytes + s.summary_bytes)
+        for role, share in s.kept_per_role:
+            self.kept_role.labels(m, self._label("role", role)).observe(share)
+        for role, pinned, retention in s.pinned_per_role:
+            label = self._label("role", role)
+            self.pinned.labels(m, label).inc(pinned)
+            self.pinned_lost.labels(m, label).inc(round(pinned * (1.0 - retention)))
+            self.pinned_retention.labels(m, label).observe(retention)
+        if s.kept_jaccard is not None:
+            self.jaccard.labels(m).observe(s.kept_jaccard)
+        if s.recall_repeat_rate is not None:
+            self.recall_repeat.labels(m).observe(s.recall_repeat_rate)
+            self.recall_bytes.labels(m).observe(s.recall_bytes_per_step)
 
     def _compression(self, s: stats.CompressionStat) -> None:
         m = self.model_name
@@ -196,6 +250,10 @@ class PrometheusSink:
                     hist.observe(kept / s.context_tokens)
         if s.history_attention is not None:
             self.history_attention.labels(m).observe(s.history_attention)
+        if s.window_top_mass is not None:
+            self.top_mass.labels(m).observe(s.window_top_mass)
+        if s.window_entropy is not None:
+            self.entropy.labels(m).observe(s.window_entropy)
 
     def _decode_step(self, s: stats.DecodeStepStat) -> None:
         m = self.model_name
@@ -203,6 +261,8 @@ class PrometheusSink:
         self.step_time.labels(m).observe(s.seconds)
         self.batch.labels(m).observe(s.batch_size)
         self.kv_read.labels(m).observe(s.kv_bytes_read)
+        for gap in s.gaps:
+            self.itl.labels(m).observe(gap)
 
     def _scheduler_step(self, s: stats.SchedulerStepStat) -> None:
         self.sched_running.labels(self.model_name).set(s.running)
@@ -212,6 +272,13 @@ class PrometheusSink:
         m, kind = self.model_name, self._label("tier_kind", s.kind)
         self.tier_events.labels(m, kind, self._label("tier_reason", s.reason)).inc()
         self.tier_bytes.labels(m, kind).inc(s.nbytes)
+
+    def _pool(self, s: stats.PoolStat) -> None:
+        m = self.model_name
+        self.pool_bytes.labels(m).set(s.host_bytes)
+        self.pool_cap.labels(m).set(s.cap_bytes)
+        self.pool_tiers.labels(m, "host").set(s.tiers - s.spilled)
+        self.pool_tiers.labels(m, "disk").set(s.spilled)
 
     def _fault(self, s: stats.FaultStat) -> None:
         self.faults.labels(self.model_name, self._label("fault_kind", s.kind)).inc()
@@ -225,5 +292,6 @@ _HANDLERS = {
     stats.DecodeStepStat: PrometheusSink._decode_step,
     stats.SchedulerStepStat: PrometheusSink._scheduler_step,
     stats.TierEvent: PrometheusSink._tier,
+    stats.PoolStat: PrometheusSink._pool,
     stats.FaultStat: PrometheusSink._fault,
 }
