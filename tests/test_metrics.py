@@ -421,3 +421,28 @@ def test_a_reprefill_and_an_abandoned_stream_scraped_from_a_live_server(tmp_path
     assert total(samples, "snapkv:pinned_tokens_evicted_total") == 0
     # every done turn's decode steps gave a gap (the abandoned stream's steps too, before it stopped)
     assert total(samples, "vllm:inter_token_latency_seconds_count") >= sum(len(t["decode_tokens"]) for t in turns)
+
+
+def test_one_exposition_of_the_ingress_and_its_replicas():
+    """The Ray ingress's /metrics (serve/metrics.exposition): its own registry and each replica's scrape text, each
+    family once (one HELP and TYPE), every replica's samples labelled with its name, nothing lost or summed."""
+    from prometheus_client import generate_latest
+
+    from snapkv_sessions.serve.metrics import REPLICA_LABEL, exposition
+
+    ingress, replicas = PrometheusSink("m", batch_slots=None), {"r1": PrometheusSink("m", 4), "r2": PrometheusSink("m", 4)}
+    ingress.record(stats.RequestStat(200, "ok", None, False, "stop", 0.1, 0.2, 0.1, 0.5, 3, 4))
+    for n, sink in enumerate(replicas.values(), start=1):
+        for _ in range(n):
+            sink.record(_stats(decoded_tokens=5))
+            sink.record(stats.DecodeStepStat(1, 1, 0.05, 1024, (0.05,)))
+    text = exposition(ingress.registry, {r: generate_latest(s.registry).decode() for r, s in replicas.items()}).decode()
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP")]
+    assert len(helps) == len(set(helps))  # each family once
+    samples = scrape(text)
+    assert total(samples, "vllm:request_success_total") == 1
+    assert {dict(lab).get(REPLICA_LABEL) for (n, lab) in samples if n == "vllm:request_success_total"} == {None}
+    for name, want in (("vllm:generation_tokens_total", (5, 10)), ("snapkv:decode_steps_total", (1, 2)),
+                       ("vllm:inter_token_latency_seconds_count", (1, 2)), ("snapkv:batch_slots", (4, 4))):
+        assert (total(samples, name, replica="r1"), total(samples, name, replica="r2")) == want, name
+    assert not any(n == "snapkv:batch_slots" and REPLICA_LABEL not in dict(lab) for (n, lab) in samples)

@@ -145,6 +145,77 @@ def test_streamed_turns_through_the_ingress_equal_whole_ones(cluster):
     assert "".join(pieces) == whole and usage is not None and usage.completion_tokens > 0
 
 
+def _by_replica(samples: dict, name: str, **labels: str) -> dict[str, float]:
+    """``name``'s samples whose labels include ``labels``, summed per ``replica`` label ("" for the ingress's)."""
+    out: dict[str, float] = {}
+    for (n, lab), value in samples.items():
+        lab = dict(lab)
+        if n == name and labels.items() <= lab.items():
+            out[lab.get("replica", "")] = out.get(lab.get("replica", ""), 0.0) + value
+    return out
+
+
+def _grown(before: dict, after: dict, name: str, **labels: str) -> float:
+    """How much ``name`` grew between two scrapes, over the replicas (and the ingress) of the later one: a replica
+    that went away between them is not counted, one that came is counted from 0 (a restarted replica's counters
+    start again, as Prometheus reads a reset)."""
+    old = _by_replica(before, name, **labels)
+    return sum(v - old.get(r, 0.0) for r, v in _by_replica(after, name, **labels).items())
+
+
+def test_metrics_health_and_ready_through_the_ingress(cluster):
+    """The ingress's /health, /ready and /metrics (issue 28): the requests' metrics counted by the ingress, the
+    turns' by each engine replica (labelled ``replica``), one exposition; after a known workload the counters grew
+    by what the responses say, and no series names a session."""
+    import time
+
+    import httpx
+    from test_metrics import scrape
+
+    root = cluster.removesuffix("/v1")
+    assert httpx.get(f"{root}/health", timeout=30).json() == {"status": "ok"}
+    ready = httpx.get(f"{root}/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["replicas"] >= 1, ready.text
+    before = scrape(httpx.get(f"{root}/metrics", timeout=30).text)
+    client = _client(cluster, KEY_B)
+    usages = []
+    for _ in range(2):
+        messages = [{"role": "system", "content": f"You are terse ({uuid.uuid4().hex[:6]})."},
+                    {"role": "user", "content": TURNS[0]}]
+        reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+        usages.append(reply.usage)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": TURNS[1]}]
+        usage = None
+        for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, stream=True,
+                                                    stream_options={"include_usage": True}):
+            usage = chunk.usage or usage
+        usages.append(usage)
+    bad = httpx.post(f"{cluster}/chat/completions", json={"model": MODEL, "messages": []},
+                     headers={"Authorization": f"Bearer {KEY_B}"}, timeout=60)
+    assert bad.status_code == 400
+    deadline = time.monotonic() + 60
+    while True:  # each replica pushes its metrics after a turn; the hub may be a moment behind
+        text = httpx.get(f"{root}/metrics", timeout=30).text
+        after = scrape(text)
+        if _grown(before, after, "snapkv:turns_total", replay="false") >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert _grown(before, after, "snapkv:turns_total", replay="false") == 4
+    assert _grown(before, after, "vllm:request_success_total") == 4
+    assert _grown(before, after, "snapkv:request_errors_total", status="400") == 1
+    assert _grown(before, after, "vllm:e2e_request_latency_seconds_count") == 5
+    assert _grown(before, after, "vllm:time_to_first_token_seconds_count") == 2  # the streams
+    assert _grown(before, after, "vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert _grown(before, after, "vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    # the requests' series are the ingress's, the turns' the replicas'
+    assert set(_by_replica(after, "vllm:request_success_total")) == {""}
+    replicas = set(_by_replica(after, "snapkv:turns_total"))
+    assert replicas and "" not in replicas and len(replicas) <= 2
+    assert not any("session" in k for _n, labels in after for k, _v in labels)
+    assert "vllm:num_requests_running" in {n for n, _lab in after}
+
+
 def test_the_serve_config_file_builds_the_application():
     import yaml
 

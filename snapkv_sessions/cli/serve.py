@@ -81,9 +81,9 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
                          max_messages=max_messages, shutdown_grace=shutdown_grace, warm_tokens=warm_tokens)
     keys = _api_keys(api_keys, api_key_file)
-    if on_ray and (log_format != "text" or log_content):
-        raise click.ClickException("--log-format json and --log-content are not offered with --ray yet (the Ray "
-                                   "replicas keep their own logs; docs/ray.md)")
+    if on_ray and log_content:
+        raise click.ClickException("--log-content is not offered with --ray (the Ray processes keep their own logs; "
+                                   "docs/ray.md)")
     # JSON lines: every line of stderr is a record, so the start-up's progress is not shown, its lines are logged
     json_logs = log_format == "json"
     stats.configure_logging("INFO", log_format)
@@ -99,7 +99,7 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
                     "sessions_per_replica": max_live, "batch": batch, "max_tokens": max_tokens,
                     "api_keys": tuple(keys), "request_timeout_s": request_timeout,
                     "max_body_bytes": int(max_body_mb * (1 << 20)), "max_messages": max_messages,
-                    "warm_tokens": warm_tokens}, host, port)
+                    "warm_tokens": warm_tokens, "log_format": log_format}, host, port)
         return
     try:
         from ..serve import Capacity, ServeOptions, Service, create_app

@@ -249,7 +249,11 @@ class RequestTrack:
             self.last = time.monotonic()
 
     def ok(self, out: TurnOutput) -> None:
-        self._end(200, "ok", out)
+        self.answered(out.finish, out.reply.prompt_tokens, out.reply.completion_tokens)
+
+    def answered(self, finish: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """The response ended with a reply (the Ray ingress reads these from the replica's answer)."""
+        self._end(200, "ok", (finish, prompt_tokens, completion_tokens))
 
     def failed(self, exc: BaseException) -> None:
         """The response ended without a reply: ``exc`` as the client was told it (a CancelledError: it left)."""
@@ -259,7 +263,12 @@ class RequestTrack:
             err = as_api_error(exc)
             self._end(err.status, err.code or err.kind, None)
 
-    def _end(self, status: int, code: str, out: TurnOutput | None) -> None:
+    def refused(self, status: int, code: str) -> None:
+        """The response ended without a reply, with an error already made (a Ray replica's, as data)."""
+        self._end(status, code, None)
+
+    def _end(self, status: int, code: str, reply: tuple[str, int, int] | None) -> None:
+        """``reply``: (finish reason, prompt tokens, completion tokens) when there is one."""
         if self.done:
             return
         self.done = True
@@ -268,17 +277,17 @@ class RequestTrack:
         now, job = time.monotonic(), self.job
         started = job.started if job is not None else None
         # a request that failed after its job started had its turn stopped (abandoned): say why, when the job knows
-        stopped = job.stop_cause() if job is not None and started is not None and out is None else None
-        first = self.first if out is not None else None
+        stopped = job.stop_cause() if job is not None and started is not None and reply is None else None
+        first = self.first if reply is not None else None
         stats.emit(stats.RequestStat(
             status=status, code=code, stopped=stopped, stream=self.stream,
-            finish_reason=out.finish if out is not None else None,
+            finish_reason=reply[0] if reply is not None else None,
             queue_s=None if started is None else started - job.submitted,
             ttft_s=None if first is None else first - self.arrived,
             decode_s=None if first is None else (self.last or now) - first,
             e2e_s=now - self.arrived,
-            prompt_tokens=out.reply.prompt_tokens if out is not None else 0,
-            completion_tokens=out.reply.completion_tokens if out is not None else 0))
+            prompt_tokens=reply[1] if reply is not None else 0,
+            completion_tokens=reply[2] if reply is not None else 0))
 
 
 def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI:

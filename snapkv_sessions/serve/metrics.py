@@ -15,8 +15,11 @@ distinct values besides ``"other"``, so no workload can grow the number of serie
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from .. import stats
 
@@ -63,7 +66,7 @@ class PrometheusSink:
     Register it with :func:`stats.add_sink`; render :attr:`registry` with ``prometheus_client.generate_latest``.
     """
 
-    def __init__(self, model_name: str, batch_slots: int = 0) -> None:
+    def __init__(self, model_name: str, batch_slots: int | None = 0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self._label = _Vocabulary()
@@ -163,7 +166,8 @@ class PrometheusSink:
         self.sched_waiting = Gauge("snapkv:scheduler_waiting", "Turns decoding but waiting for a batch slot.", m,
                                    registry=r)
         self.slots = Gauge("snapkv:batch_slots", "Decode slots of the batch (0: one turn at a time).", m, registry=r)
-        self.slots.labels(model_name).set(batch_slots)
+        if batch_slots is not None:  # None: a process without decode slots (the Ray ingress)
+            self.slots.labels(model_name).set(batch_slots)
 
         # ---- the tier and faults (TierEvent, FaultStat)
         self.tier_events = Counter("snapkv:tier_events", "Tier events: streamed, recalled, lost, spilled, evicted, "
@@ -295,3 +299,34 @@ _HANDLERS = {
     stats.PoolStat: PrometheusSink._pool,
     stats.FaultStat: PrometheusSink._fault,
 }
+
+
+REPLICA_LABEL = "replica"
+
+
+def exposition(registry: CollectorRegistry, replicas: Mapping[str, str]) -> bytes:
+    """One Prometheus text exposition of ``registry`` and of each replica's own scrape text (``replicas``: replica
+    name -> text), each replica's samples labelled ``replica``, families of one name merged under one HELP and
+    TYPE (the Ray ingress's ``GET /metrics``: its own request metrics and every engine replica's)."""
+    merged: dict[str, Metric] = {}
+
+    def add(family: Metric, extra: dict[str, str]) -> None:
+        out = merged.get(family.name)
+        if out is None:
+            out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            out.add_sample(sample.name, {**sample.labels, **extra}, sample.value, sample.timestamp, sample.exemplar)
+
+    for family in registry.collect():
+        add(family, {})
+    for replica, text in sorted(replicas.items()):
+        for family in text_string_to_metric_families(text):
+            add(family, {REPLICA_LABEL: replica})
+
+    class _Merged:
+        def collect(self) -> Iterator[Metric]:
+            yield from merged.values()
+
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_Merged())
+    return generate_latest(out)

@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -37,12 +38,26 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(f"snapkv_sessions.serve.ray needs {exc.name!r}: pip install 'snapkv-sessions[ray]'") from exc
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 
+from .. import stats
 from ..errors import ConfigError
 from . import protocol
-from .app import SESSION_HEADER, ApiError, as_api_error, authorize, completion_body, end_chunks, read_body, stream_end
+from .app import (
+    SESSION_HEADER,
+    ApiError,
+    RequestLog,
+    RequestTrack,
+    as_api_error,
+    authorize,
+    completion_body,
+    end_chunks,
+    read_body,
+    stream_end,
+)
+from .metrics import PrometheusSink, exposition
 from .service import Capacity, Router, Service, at_least
 from .worker import DeadlineExceeded, Job
 
@@ -50,6 +65,8 @@ REPLICA_HEADER = "X-Replica"
 ATTEMPTS_HEADER = "X-Attempts"  # 2 and more: a replica died and the request was sent again
 WIRE = {"request_serialization": "orjson", "response_serialization": "orjson"}  # JSON on the wire, never pickle
 RETRIES = 4  # attempts of a request whose replica died; the router learns of a death within a few seconds
+HUB = "snapkv-sessions-metrics"  # the named actor holding each engine replica's latest metrics
+STALE_PUSHES = 3  # a replica whose metrics are older than this many push periods has gone: its series are dropped
 
 
 @dataclass(frozen=True)
@@ -62,7 +79,9 @@ class RaySpec:
     ``max_num_models_per_replica``); batch: decode slots per replica; max_tokens: the reply cap of a request that
     names none; api_keys: bearer keys (empty: local use); request_timeout_s: a request's deadline;
     torch_threads: intra-op threads per replica (None: torch's default); warm_tokens: the document of each
-    replica's warm start (:mod:`.warm`; 0: none), served before the replica takes requests.
+    replica's warm start (:mod:`.warm`; 0: none), served before the replica takes requests; log_format: the
+    records of every process (``stats.LogSink``'s turns, faults and tier losses on the replicas, a line per request
+    on the ingress); metrics_push_s: the period of each replica's metrics to the ingress's ``GET /metrics``.
     """
 
     model: str
@@ -79,11 +98,17 @@ class RaySpec:
     max_body_bytes: int = 8 << 20
     max_messages: int = 1024  # messages one request may carry (as serve --max-messages)
     warm_tokens: int = 0
+    log_format: str = "text"  # each process's records on its stderr (Ray keeps them in its log folder): text | json
+    metrics_push_s: float = 5.0  # how often each engine replica sends its metrics to the ingress (and after a turn)
     extra_actor_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         at_least(self, {"replicas": 1, "sessions_per_replica": 1, "batch": 0, "max_tokens": 1, "max_messages": 1,
                         "warm_tokens": 0})
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("log_format", self.log_format, "must be 'text' or 'json'")
+        if not isinstance(self.metrics_push_s, (int, float)) or not 0.1 <= self.metrics_push_s <= 3600:
+            raise ConfigError("metrics_push_s", self.metrics_push_s, "must be a number of seconds in [0.1, 3600]")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
 
     @classmethod
@@ -128,6 +153,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ---------------------------------------------------------------------- metrics: each replica's, to the ingress
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Each engine replica's latest scrape text (Prometheus' text format), sent by the replica every
+    ``metrics_push_s`` and after each turn; the ingress's ``GET /metrics`` reads them. Ray Serve gives no way to
+    call every replica of a deployment, so the replicas push, and a replica silent for :data:`STALE_PUSHES`
+    periods (it died, or was scaled down) is left out."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, tuple[float, str]] = {}  # replica -> (when, text)
+
+    def push(self, replica: str, text: str) -> None:
+        self.texts[replica] = (time.monotonic(), text)
+
+    def fresh(self, max_age_s: float) -> dict[str, str]:
+        now = time.monotonic()
+        self.texts = {r: (at, t) for r, (at, t) in self.texts.items() if now - at <= max_age_s}
+        return {r: t for r, (_at, t) in self.texts.items()}
+
+
+def _hub():
+    """The app's metrics hub, created by whichever process asks first (detached: it outlives a replica that dies,
+    and goes with the Ray cluster)."""
+    return MetricsHub.options(name=HUB, get_if_exists=True, lifetime="detached").remote()
+
+
 # ---------------------------------------------------------------------- the engine replicas
 
 
@@ -152,6 +205,29 @@ def _engine_deployment(spec: RaySpec):
             if self.spec.warm_tokens:
                 self.service.warm(self.spec.warm_tokens)
             self.name = serve.get_replica_context().replica_id.to_full_id_str()
+            # this process's metrics and records, registered after the warm start (not counted, as in serve)
+            stats.configure_logging("INFO", self.spec.log_format)
+            self.metrics = PrometheusSink(self.service.model_name, self.service.scheduler.pool.size
+                                          if self.service.scheduler is not None else 0)
+            stats.add_sink(self.metrics)
+            stats.add_sink(stats.LogSink())
+            self.hub = _hub()
+            self._push()
+            threading.Thread(target=self._push_every, daemon=True, name="metrics-push").start()
+
+        def _push(self) -> None:
+            """This replica's metrics to the hub (fire and forget: a turn never waits on it)."""
+            from prometheus_client import generate_latest
+
+            self.hub.push.remote(self.name, generate_latest(self.metrics.registry).decode())
+
+        def _push_every(self) -> None:
+            while True:
+                time.sleep(self.spec.metrics_push_s)
+                try:
+                    self._push()
+                except Exception:  # noqa: BLE001 - the hub restarting must not end the pushes
+                    pass
 
         @serve.multiplexed(max_num_models_per_replica=spec.sessions_per_replica)
         async def session(self, session_id: str) -> str:
@@ -174,6 +250,8 @@ def _engine_deployment(spec: RaySpec):
                 out = await asyncio.to_thread(self.service.chat, turn, job)
             except Exception as exc:  # noqa: BLE001 - the ingress answers it as the single-process server would
                 return {"error": _error(exc), "replica": self.name}
+            finally:
+                self._push()
             return {"completion": completion_body(out, req.model), "session_id": out.session_id,
                     "replica": self.name}
 
@@ -209,6 +287,7 @@ def _engine_deployment(spec: RaySpec):
             finally:
                 job.cancelled.set()  # a stream left early stops its turn, which is then abandoned cleanly
                 await asyncio.shield(task)
+                self._push()
 
     return Engine
 
@@ -247,6 +326,7 @@ async def _retrying(start):
 
 def _ingress_deployment(spec: RaySpec):
     app = FastAPI(title="snapkv-sessions (Ray Serve)")
+    app.add_middleware(RequestLog)  # a record per request, as serve writes them
 
     @serve.deployment(name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0})
     @serve.ingress(app)
@@ -261,6 +341,46 @@ def _ingress_deployment(spec: RaySpec):
             self.keys = frozenset(self.spec.api_keys)
             store = SessionStore(self.spec.db, redis_url=self.spec.redis_url)
             self.router = Router(self.spec.model, self.spec.policy, store, self.spec.max_tokens)
+            # the requests' metrics (RequestStat, QueueStat) live here; the turns' on each replica (the hub)
+            stats.configure_logging("INFO", self.spec.log_format)
+            self.metrics = PrometheusSink(self.router.model_name, batch_slots=None)
+            stats.add_sink(self.metrics)
+            self.hub = _hub()
+            self.running = 0
+
+        def _track(self, change: int) -> None:
+            """Requests in flight here (``vllm:num_requests_running``; Ray's router queues, not the ingress)."""
+            self.running += change
+            if stats.active():
+                stats.emit(stats.QueueStat(self.running, 0))
+
+        async def _replicas(self) -> dict[str, str]:
+            return await self.hub.fresh.remote(STALE_PUSHES * self.spec.metrics_push_s)
+
+        @app.get("/health")
+        async def health(self) -> JSONResponse:
+            """Liveness: the ingress answers (no store, no replica, no lock)."""
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/ready")
+        async def ready(self) -> JSONResponse:
+            """Readiness: 200 while the store answers and at least one engine replica has loaded its model (it
+            pushes its metrics once loaded and warm); else 503 with the reason (``store_unreachable``,
+            ``no_replica``)."""
+            store = self.router.store
+            try:
+                await asyncio.wait_for(asyncio.to_thread(store.ping), store.pool_timeout_s + 1)
+            except Exception:  # noqa: BLE001 - whatever the store says, the answer is "not ready"
+                return JSONResponse({"status": "not_ready", "reason": "store_unreachable"}, status_code=503)
+            replicas = await self._replicas()
+            if not replicas:
+                return JSONResponse({"status": "not_ready", "reason": "no_replica"}, status_code=503)
+            return JSONResponse({"status": "ready", "model": self.router.model_name, "replicas": len(replicas)})
+
+        @app.get("/metrics")
+        async def scrape(self) -> Response:
+            """The ingress's request metrics and every live replica's (labelled ``replica``), in one exposition."""
+            return Response(exposition(self.metrics.registry, await self._replicas()), media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
         async def models(self, request: Request) -> JSONResponse:
@@ -273,23 +393,38 @@ def _ingress_deployment(spec: RaySpec):
 
         @app.post("/v1/chat/completions")
         async def chat_completions(self, request: Request) -> JSONResponse:
+            # one RequestStat per request, as serve emits it; the ingress sees a whole reply at once, so time to
+            # first token and per output token are measured on streams only
+            track, streaming = RequestTrack(), False
+            self._track(+1)
             try:
                 owner = authorize(request, self.keys)
                 body = await read_body(request, self.spec.max_body_bytes)
                 req = protocol.parse(body, self.spec.max_messages)
+                track.stream = bool(req.stream)
                 turn = self.router.prepare(req, owner, request.headers.get(SESSION_HEADER))
                 session_id, create = await asyncio.to_thread(self._route, turn)
                 call = {"body": body, "owner": owner, "create": create}
                 if req.stream:
-                    return await self._stream(call, session_id, req)
+                    response = await self._stream(call, session_id, req, track)
+                    streaming = isinstance(response, EventSourceResponse)  # the stream ends the track itself
+                    return response
                 reply = await self._send(call, session_id)
             except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error body
+                track.failed(exc)
                 return as_api_error(exc).response()
+            finally:
+                if not streaming:
+                    self._track(-1)
             headers = {SESSION_HEADER: session_id, REPLICA_HEADER: reply["replica"],
                        ATTEMPTS_HEADER: str(reply["attempts"])}
             if "error" in reply:
+                track.refused(reply["error"]["status"], reply["error"]["code"] or reply["error"]["kind"])
                 return _response(reply["error"], headers)
-            return JSONResponse(reply["completion"], headers=headers)
+            done = reply["completion"]
+            track.answered(done["choices"][0]["finish_reason"], done["usage"]["prompt_tokens"],
+                           done["usage"]["completion_tokens"])
+            return JSONResponse(done, headers=headers)
 
         def _route(self, turn) -> tuple[str, bool]:
             """The session id the turn goes to, and whether it is a new one the engine creates under that id."""
@@ -301,7 +436,7 @@ def _ingress_deployment(spec: RaySpec):
                 return found.session_id, False
             return str(uuid.uuid4()), True
 
-        async def _stream(self, call: dict, session_id: str, req):
+        async def _stream(self, call: dict, session_id: str, req, track: RequestTrack):
             """A streamed turn as SSE. A replica that dies before the turn's first piece is retried as
             :meth:`_send` does; one that dies after it ends the stream with an error (the client saw a partial
             reply; sending the whole conversation again continues the session from what the store holds)."""
@@ -314,6 +449,7 @@ def _ingress_deployment(spec: RaySpec):
             (items, head, first), attempts = await _retrying(start)
             headers = {SESSION_HEADER: session_id, REPLICA_HEADER: head["replica"], ATTEMPTS_HEADER: str(attempts)}
             if "error" in first:
+                track.refused(first["error"]["status"], first["error"]["code"] or first["error"]["kind"])
                 return _response(first["error"], headers)
             cid = protocol.completion_id()
 
@@ -323,19 +459,29 @@ def _ingress_deployment(spec: RaySpec):
                 try:
                     while True:
                         if "piece" in item:
+                            track.first_piece()
                             yield {"data": json.dumps(protocol.chunk(cid, req.model, {"content": item["piece"]}))}
                         elif "end" in item:
-                            for data in end_chunks(item["end"], req, cid):
+                            end = item["end"]
+                            track.reply_done()
+                            for data in end_chunks(end, req, cid):
                                 yield {"data": data}
+                            track.answered(end["finish"], end["usage"]["prompt_tokens"],
+                                           end["usage"]["completion_tokens"])
                             return
                         else:
-                            yield {"data": json.dumps(protocol.error(item["error"]["message"], item["error"]["kind"]))}
+                            err = item["error"]
+                            yield {"data": json.dumps(protocol.error(err["message"], err["kind"]))}
+                            track.refused(err["status"], err["code"] or err["kind"])
                             return
                         item = await items.__anext__()
                 except (*DIED, StopAsyncIteration):
                     yield {"data": json.dumps(protocol.error("the replica serving this turn stopped", "server_error"))}
+                    track.refused(500, "replica_stopped")
                 finally:
                     items.cancel()  # the client left early: the replica's stream closes and abandons the turn
+                    track.failed(asyncio.CancelledError())  # counts only when nothing above ended it: the client left
+                    self._track(-1)
 
             return EventSourceResponse(events(), headers=headers, ping=15)
 
