@@ -211,3 +211,24 @@ def test_ours_at_two_budgets_beside_another_server(tmp_path):
     first = next(b for b in fake.bodies if b["messages"][0]["role"] == "system")
     assert first["messages"][1]["content"] == serve_bench.QUESTIONS[0] and len(fake.bodies) == 3
     assert out["turns"][next(k for k in out["turns"] if "budget=full" in k)][1]["prompt_tokens"] > 0
+
+
+def test_metrics_both_runs_each_server_with_and_without_and_gives_the_ratio(monkeypatch):
+    """--metrics both: one server with GET /metrics and one with serve --no-metrics per setting, side by side, and
+    vs_no_metrics = tokens/s with / without on the rows with metrics."""
+    started = []
+
+    def fake(bench, target, log):
+        started.append(target)
+        tps = 9.0 if target.metrics else 10.0
+        return serve_bench.ServerRun(target, [serve_bench.Level(1, 1, 1.0, 1, tps, tps, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+                                                                tps, 0, 0, [], [], None)])
+
+    monkeypatch.setattr(serve_bench, "_one_server", fake)
+    bench = serve_bench.ServeBench("m", [1], batches=(8,), metrics=(False, True))
+    out = serve_bench.run(bench, log=lambda _m: None)
+    assert [t.metrics for t in started] == [False, True]
+    assert "metrics=off" in started[0].label and "metrics" not in started[1].label
+    ratio = {r["metrics"]: r["vs_no_metrics"] for r in out["levels"]}
+    assert ratio == {True: 0.9, False: None}
+    assert "with GET /metrics / without" in serve_bench.table(out)

@@ -446,3 +446,13 @@ def test_one_exposition_of_the_ingress_and_its_replicas():
                        ("vllm:inter_token_latency_seconds_count", (1, 2)), ("snapkv:batch_slots", (4, 4))):
         assert (total(samples, name, replica="r1"), total(samples, name, replica="r2")) == want, name
     assert not any(n == "snapkv:batch_slots" and REPLICA_LABEL not in dict(lab) for (n, lab) in samples)
+
+
+def test_no_metrics_keeps_no_sink_and_answers_404(tmp_path):
+    _app, client, service = tiny_app(tmp_path, metrics=False)
+    with client:
+        res = _ask(client, service.model_name, [{"role": "user", "content": "the magic number"}])
+        assert res.status_code == 200
+        off = client.get("/metrics")
+        assert off.status_code == 404 and off.json()["error"]["code"] == "metrics_off"
+        assert not any(isinstance(s, PrometheusSink) for s in stats.registered())

@@ -102,12 +102,13 @@ class Target:
     batch: int | None = None  # ours: decode slots
     packed: bool = False  # ours: packed linear weights
     budget: Budget | None = None  # ours: "full", a ratio, a token budget, or "policy"
+    metrics: bool = True  # ours: GET /metrics and its sink (False: serve --no-metrics)
 
     @property
     def label(self) -> str:
         if self.kind == "against":
             return f"{self.url} ({self.model})"
-        parts = [f"batch={self.batch}", f"packed={self.packed}"]
+        parts = [f"batch={self.batch}", f"packed={self.packed}", *([] if self.metrics else ["metrics=off"])]
         return "ours " + ",".join([*parts, f"budget={self.budget}"] if self.budget is not None else parts)
 
 
@@ -132,6 +133,7 @@ class ServerRun:
         lv = self.summary_level
         return {"server": self.target.label, "kind": self.target.kind, "url": self.target.url,
                 "model": self.target.model, "batch": self.target.batch, "packed": self.target.packed,
+                "metrics": self.target.metrics,
                 "budget": self.target.budget, "at_clients": lv.clients if lv else None,
                 "ttft_first_ms_p50": lv.ttft_first_ms_p50 if lv else None,
                 "ttft_later_ms_p50": lv.ttft_later_ms_p50 if lv else None,
@@ -396,6 +398,7 @@ class ServeBench:
     policy: str | None = None  # a policy name or YAML path; None: ``budget``
     budget: int = 512
     packed: tuple[bool, ...] = (False,)  # servers with and/or without packed linear weights (snapkv_sessions.packed)
+    metrics: tuple[bool, ...] = (True,)  # servers with and/or without GET /metrics (serve --no-metrics)
     document_tokens: int = 0  # each client's first message starts with a document of about this many tokens
     budgets: tuple[float | str, ...] = ()  # one server per value: "full" or a budget ratio; (): ``budget``/``policy``
     against: tuple[Target, ...] = ()  # other OpenAI-compatible servers, run after ours with the same workload
@@ -467,24 +470,32 @@ def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, 
     ``base_url``), then against each ``bench.against`` server, side by side in one run."""
     budgets = bench.budgets or (None,)
     ours = [] if not bench.ours else [Target("ours", base_url, bench.model, key)] if base_url else [
-        Target("ours", batch=b, packed=p, budget=bench.budget_label() if x is None else x)
-        for x in budgets for p in bench.packed for b in bench.batches]
+        Target("ours", batch=b, packed=p, budget=bench.budget_label() if x is None else x, metrics=m)
+        for x in budgets for p in bench.packed for b in bench.batches for m in bench.metrics]
     runs = [_one_server(bench, t, log) for t in (*ours, *bench.against)]
     rows, per_turn = [], {}
     for r in runs:
         for lv in r.levels:
             rows.append({"server": r.target.label, "kind": r.target.kind, "batch": r.target.batch,
-                         "packed": r.target.packed, "budget": r.target.budget, **lv.to_json()})
+                         "packed": r.target.packed, "budget": r.target.budget, "metrics": r.target.metrics,
+                         **lv.to_json()})
             per_turn[f"{r.target.label},N={lv.clients}"] = [asdict(t) for t in lv.per_turn]
     # the baseline: our server at one turn at a time and the same budget, unpacked when that ran, else packed
     serial = {}
-    for r in sorted((r for r in rows if r["kind"] == "ours"), key=lambda r: r["packed"], reverse=True):
+    for r in sorted((r for r in rows if r["kind"] == "ours" and r["metrics"]), key=lambda r: r["packed"],
+                    reverse=True):
         if r["batch"] == 0:
             serial[(r["budget"], r["clients"])] = r
+    # with --metrics both: each server with metrics against the same server without (what the metrics cost)
+    bare = {(r["budget"], r["batch"], r["packed"], r["clients"]): r for r in rows if r["kind"] == "ours"
+            and not r["metrics"]}
     for r in rows:
         base = serial.get((r["budget"], r["clients"]), {}) if r["kind"] == "ours" else {}
         for name, ratio in (("tokens_per_s", "speedup"), ("decode_tokens_per_s", "decode_speedup")):
             r[ratio] = round(r[name] / base[name], 2) if base.get(name) and r[name] else None
+        off = bare.get((r["budget"], r["batch"], r["packed"], r["clients"])) if r["kind"] == "ours" else None
+        r["vs_no_metrics"] = (round(r["tokens_per_s"] / off["tokens_per_s"], 3)
+                              if off and r["metrics"] and off["tokens_per_s"] and r["tokens_per_s"] else None)
     theirs = [r for r in runs if r.target.kind == "against"]
     ratios = [Ratios.of(a, b) for a in runs if a.target.kind == "ours" for b in theirs]
     return {"benchmark": "serve", "model": bench.model, "turns_per_client": bench.turns, "max_tokens": bench.max_tokens,
@@ -500,6 +511,7 @@ def _one_server(bench: ServeBench, target: Target, log) -> ServerRun:
         folder = Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
         proc, url = launch(bench, folder, "--max-queue", str(bench.max_queue), "--batch", str(target.batch),
                            *(["--packed-weights"] if target.packed else []),
+                           *([] if target.metrics else ["--no-metrics"]),
                            budget=None if not bench.budgets else target.budget)
         pid = proc.pid
     levels = []
@@ -546,6 +558,10 @@ def table(result: dict) -> str:
                          f"{c['decode_tokens_per_s']:>8} {c['decode_speedup']:>5} {c['ttft_ms_p50']:>9} "
                          f"{c.get('ttft_first_ms_p50', '-'):>9} {c.get('ttft_later_ms_p50', '-'):>9} "
                          f"{c['tpot_ms_p50']:>9} {c['tpot_ms_p95']:>9} {r['status_429']:>4} {r['errors']:>6}")
+    overhead = [r for r in result["levels"] if r.get("vs_no_metrics") is not None]
+    if overhead:
+        lines += ["", "with GET /metrics / without (tokens/s, side by side in this run):"]
+        lines += [f"  {r['server']} N={r['clients']}: {r['vs_no_metrics']}" for r in overhead]
     if result.get("ratios"):
         ns = sorted({n for x in result["ratios"] for n in x["tokens_per_s"]}, key=int)
         lines += ["", "ours / theirs: TTFT first, later turns, decode per stream, "

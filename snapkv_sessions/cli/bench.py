@@ -247,6 +247,9 @@ def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_jso
                    "budget ratios in (0, 1] (compression.budget_ratio, replacing --budget or the policy's budget).")
 @click.option("--packed-weights", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
               help="Servers with packed linear weights (serve --packed-weights), without, or both side by side.")
+@click.option("--metrics", "metrics", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
+              help="Servers with GET /metrics (the default), without (serve --no-metrics), or both side by side: "
+                   "the vs_no_metrics ratio is what the metrics cost.")
 @click.option("--document-tokens", default=0, show_default=True,
               help="Each client's first message starts with a document of about this many tokens.")
 @click.option("--max-queue", default=16, show_default=True, help="The server's queue length.")
@@ -266,8 +269,8 @@ def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_jso
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, packed_weights, document_tokens, max_queue,
-                policy, base_url, api_key, against, against_models, against_key, against_pids, against_only,
+def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, packed_weights, metrics, document_tokens,
+                max_queue, policy, base_url, api_key, against, against_models, against_key, against_pids, against_only,
                 allow_remote, out, as_json) -> None:
     """N concurrent multi-turn clients against the server, batched and not, at several budgets, and against other
     OpenAI-compatible servers: tokens/s (and the ratios), TTFT first and later turns, TPOT p50/p95, RSS, errors."""
@@ -288,7 +291,8 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, pac
                                   tuple(_int_list("batch", batches)), max_queue, policy, budget,
                                   {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
                                   max(0, document_tokens), _budget_list(budgets) if budgets is not None else (),
-                                  ours=not against_only)
+                                  ours=not against_only,
+                                  metrics={"on": (True,), "off": (False,), "both": (False, True)}[metrics])
     if spec.budgets:
         for b in spec.budgets:  # a policy these budgets cannot make is refused before any server starts
             spec.sessions_policy(b)

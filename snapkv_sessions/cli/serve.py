@@ -64,6 +64,8 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
                    "first request is as fast as the second (0: no warm start).")
 @click.option("--metrics-need-key", is_flag=True,
               help="GET /metrics asks for the API key too (default: open, as vLLM's; /health and /ready always are).")
+@click.option("--no-metrics", is_flag=True,
+              help="No GET /metrics and no Prometheus sink (what bench serve --metrics both compares against).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="The server's log on stderr: one line per request, per turn, per fault, the drain and the stop; "
                    "json: one JSON object a line (docs/operations.md#logs).")
@@ -75,7 +77,7 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @clean_errors
 def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
           max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
-          warm_tokens, no_fork_boundaries, metrics_need_key, log_format, log_content) -> None:
+          warm_tokens, no_fork_boundaries, metrics_need_key, no_metrics, log_format, log_content) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
@@ -124,7 +126,8 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
     app = create_app(service, ServeOptions(api_keys=keys, max_queue=max_queue, request_timeout_s=request_timeout,
                                            max_body_bytes=int(max_body_mb * (1 << 20)), max_messages=max_messages,
                                            docs=docs, shutdown_grace_s=shutdown_grace,
-                                           metrics_need_key=metrics_need_key, log_content=log_content))
+                                           metrics_need_key=metrics_need_key, metrics=not no_metrics,
+                                           log_content=log_content))
     _say(f"serving {service.model_name} ({ModelSpec.parse(service.model_id).dtype}) on http://{host}:{port}/v1",
          json_logs)
     run_server(app, host, port, shutdown_grace)

@@ -107,7 +107,9 @@ class ServeOptions:
     ``/redoc`` and ``/openapi.json`` (behind the key when keys are set); shutdown_grace_s: after SIGTERM, how long
     running turns may finish before they are stopped (their clients get 503, their turns are abandoned);
     metrics_need_key: ``GET /metrics`` asks for the API key too (off by default, as vLLM's: a Prometheus scrape
-    usually sends none, and the metrics carry no session id, key or content); log_content: a chat completion's
+    usually sends none, and the metrics carry no session id, key or content); metrics: ``GET /metrics`` and its
+    sink (off: the route answers 404 and no Prometheus metric is kept; ``bench serve --metrics both`` measures
+    what they cost); log_content: a chat completion's
     request line carries its last user message, cut to :data:`LOG_CONTENT_CHARS` (off by default: logs are often
     shipped and kept where conversations should not be).
     """
@@ -120,6 +122,7 @@ class ServeOptions:
     docs: bool = False
     shutdown_grace_s: float = 10.0
     metrics_need_key: bool = False
+    metrics: bool = True
     log_content: bool = False
 
     def __post_init__(self) -> None:
@@ -301,7 +304,7 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         nonlocal worker
         # the per-turn, fault and tier-loss records (stats.LogSink): written only where the package logger is
         # configured to show them (serve's --log-format), and dropped before they are built otherwise
-        remove_sinks = [stats.add_sink(metrics), stats.add_sink(stats.LogSink())]
+        remove_sinks = [stats.add_sink(stats.LogSink()), *([stats.add_sink(metrics)] if options.metrics else [])]
         worker = Worker(options.max_queue, threads=service.threads)
         try:
             yield
@@ -412,6 +415,9 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
     async def scrape(request: Request) -> Response:
         if options.metrics_need_key:
             owner(request)
+        if not options.metrics:
+            raise ApiError(404, "metrics are off on this server (serve --no-metrics)", "invalid_request_error", None,
+                           "metrics_off")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
