@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -127,3 +128,59 @@ def test_the_dashboard_imports_with_a_prometheus_input_and_a_clean_grid():
     (model,) = dashboard["templating"]["list"]
     assert model["datasource"] == DATASOURCE and model["name"] == "model_name"
     assert all('model_name=~"$model_name"' in t["expr"] for p in charts for t in p["targets"])
+
+
+def _scrapes_of(steps: list[list[stats.Stat]], dt: float = 2.0):
+    """A PrometheusSink fed ``steps[i]`` before scrape i, scraped after each step ``dt`` seconds apart."""
+    from snapkv_sessions.bench.dashboard import Scrape
+
+    sink, out = PrometheusSink("tiny", batch_slots=4), []
+    for i, batch in enumerate(steps):
+        for stat in batch:
+            sink.record(stat)
+        out.append(Scrape.parse(i * dt, generate_latest(sink.registry).decode()))
+    return out
+
+
+def test_the_evaluator_computes_rates_sums_and_quantiles_as_prometheus_does():
+    """bench dashboard's PromQL subset: rate over a window of scrapes, sum and sum by, histogram_quantile with
+    Prometheus' linear interpolation inside a bucket, arithmetic between vectors, matchers."""
+    from snapkv_sessions.bench.dashboard import evaluate
+
+    ok = dict(status=200, code="ok", stopped=None, stream=True, finish_reason="stop", queue_s=0.01, decode_s=0.3,
+              e2e_s=1.0, prompt_tokens=3, completion_tokens=4)
+    steps = [[], [stats.RequestStat(ttft_s=0.3, **ok)] * 3,
+             [stats.RequestStat(ttft_s=0.6, **ok), stats.FaultStat("lock_timeout", None, "x")]]
+    scrapes = _scrapes_of(steps)
+    model = {"model_name": ".*"}
+    # 4 successes between scrape 0 (t=0) and scrape 2 (t=4): 1 per second
+    assert evaluate('sum(rate(vllm:request_success_total{model_name=~"$model_name"}[5m]))', scrapes, 2, 2,
+                    model) == {(): 1.0}
+    assert evaluate('sum by (kind) (rate(snapkv:faults_total{model_name=~"$model_name"}[5m]))', scrapes, 2, 1,
+                    model) == {(("kind", "lock_timeout"),): 0.5}
+    # TTFT: 3 in (0.25, 0.5] and 1 in (0.5, 0.75]; the median's rank 2 of 4 falls in (0.25, 0.5] at 2/3 of it
+    q = evaluate('histogram_quantile(0.5, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket'
+                 '{model_name=~"$model_name"}[5m])))', scrapes, 2, 2, model)
+    assert q[()] == pytest.approx(0.25 + 0.25 * 2 / 3)
+    q = evaluate('histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[5m])))',
+                 scrapes, 2, 2)
+    assert q[()] == pytest.approx(0.5 + 0.25 * (3.96 - 3) / 1)
+    ratio = evaluate('1 - sum(rate(vllm:request_success_total[1m])) / sum(rate(vllm:request_success_total[1m]))',
+                     scrapes, 2, 2)
+    assert ratio == {(): 0.0}
+    assert evaluate('sum(snapkv:batch_slots{model_name="other"})', scrapes, 2, 1) == {}
+    assert evaluate("sum(snapkv:batch_slots)", scrapes, 0, 1) == {(): 4.0}
+
+
+def test_every_panel_query_evaluates_on_a_scrape():
+    """Each of the dashboard's queries parses and gives a value on scrapes of a sink fed one stat of each kind
+    twice (the picture bench dashboard draws reads these same queries)."""
+    from snapkv_sessions.bench.dashboard import series
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = series(dashboard, _scrapes_of([_every_stat(), _every_stat()]), window=1)
+    charts = [p for p in panels if not p.get("row")]
+    assert len(charts) == 27
+    empty = [(p["title"], t["expr"]) for p in charts for t in p["targets"] if t["points"] == 0]
+    # the fault panel and the others all have a value at the second scrape; none is left empty
+    assert not empty, empty

@@ -328,6 +328,32 @@ def _budget_list(text: str) -> tuple[float | str, ...]:
     return tuple(out)
 
 
+@bench.command("dashboard")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--clients", default="1,4", show_default=True, help="Concurrent sessions, one level after the other.")
+@click.option("--turns", default=3, show_default=True, help="Turns per client.")
+@click.option("--max-tokens", default=24, show_default=True, help="Reply cap per turn.")
+@click.option("--document-tokens", default=600, show_default=True,
+              help="Each client's first message starts with a document of about this many tokens.")
+@click.option("--batch", default=4, show_default=True, help="The server's decode slots.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between two scrapes of /metrics.")
+@click.option("--window", default=8, show_default=True, help="Scrapes a rate() spans ($__rate_interval).")
+@click.option("--plot", default=None, help="Write the dashboard's picture here (PNG).")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_dashboard(model, clients, turns, max_tokens, document_tokens, batch, interval, window, plot, out,
+                    as_json) -> None:
+    """The Grafana dashboard's panels (deploy/grafana) evaluated over a live server's scrapes under a known
+    workload, and drawn: per panel and query, the scrapes that gave it a value."""
+    from ..bench import dashboard
+
+    with progress.task("bench dashboard") as shown:
+        result = dashboard.run(model, _int_list("clients", clients), turns, max_tokens, document_tokens, batch,
+                               interval, window, plot, log=shown.log)
+    _emit(result, out, as_json, dashboard.table, bulky="none")
+
+
 @bench.command("ray")
 @click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--db", required=True, help="The store both servers share (PostgreSQL URL).")
