@@ -456,3 +456,52 @@ def test_no_metrics_keeps_no_sink_and_answers_404(tmp_path):
         off = client.get("/metrics")
         assert off.status_code == 404 and off.json()["error"]["code"] == "metrics_off"
         assert not any(isinstance(s, PrometheusSink) for s in stats.registered())
+
+
+def test_top_reads_a_servers_metrics(tmp_path):
+    """``snapkv-sessions top --once --json`` against a loopback HTTP server answering a sink's scrape: the figures
+    are the scrape's (gauges and totals as they stand, quantiles from what the window observed)."""
+    import http.server
+
+    from click.testing import CliRunner
+    from prometheus_client import generate_latest
+
+    from snapkv_sessions.cli import main
+
+    sink = PrometheusSink("m", batch_slots=2)
+    sink.record(stats.QueueStat(running=2, waiting=1))
+    sink.record(stats.PoolStat(host_bytes=3 << 20, cap_bytes=1 << 30, tiers=2, spilled=0))
+    served = {"n": 0}
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            served["n"] += 1
+            if served["n"] == 2:  # between the two scrapes: 4 requests answered, TTFT 0.3 s each
+                for _ in range(4):
+                    sink.record(stats.RequestStat(200, "ok", None, True, "stop", 0.0, 0.3, 0.2, 0.5, 3, 4))
+            body = generate_latest(sink.registry)
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        res = CliRunner().invoke(main, ["top", "--url", url, "--once", "--json", "--interval", "0.2"])
+        assert res.exit_code == 0, res.output
+        got = json.loads(res.output)
+        assert got["requests running"] == 2 and got["requests waiting"] == 1
+        assert got["cold-tier pool bytes"] == 3 << 20 and got["pinned tokens evicted (must be 0)"] is None
+        assert 0.25 < got["TTFT p50"] <= 0.5  # the 0.3 s observations, in the (0.25, 0.5] bucket
+        assert got["requests answered /s"] > 0
+        plain = CliRunner().invoke(main, ["top", "--url", url, "--once", "--interval", "0.2"])
+        assert plain.exit_code == 0 and "requests running" in plain.output and "3.0 MiB" in plain.output
+        bad = CliRunner().invoke(main, ["top", "--url", "ftp://x", "--once"])
+        assert bad.exit_code != 0 and "--url" in bad.output
+    finally:
+        server.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -195,3 +196,44 @@ def _serve_ray(spec: dict, host: str, port: int) -> None:
             time.sleep(3600)
     except KeyboardInterrupt:
         ray_serve.shutdown()
+
+
+@main.command("top")
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True,
+              help="The server's root (its GET /metrics is read), e.g. http://127.0.0.1:8000.")
+@click.option("--api-key", default=None, help="Bearer key, for a server started with --metrics-need-key.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between two scrapes.")
+@click.option("--window", default=15, show_default=True, help="Scrapes the rates and quantiles span.")
+@click.option("--once", is_flag=True, help="Scrape twice, --interval apart, print the figures once and stop.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per screen).")
+@clean_errors
+def top(url: str, api_key: str | None, interval: float, window: int, once: bool, as_json: bool) -> None:
+    """A running server's live figures (requests, tokens/s, TTFT, TPOT, inter-token latency, re-prefills, pins, the
+    cold-tier pool), read from its GET /metrics; Ctrl-C stops."""
+    from urllib.parse import urlsplit
+
+    from ..serve.top import render, scrape, snapshot
+
+    if interval <= 0 or window < 1:
+        raise click.BadParameter(f"{interval!r}: give seconds > 0 and a window of at least 1", param_hint="--interval")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise click.BadParameter(f"{url[:200]!r}: give the server's root, e.g. http://127.0.0.1:8000", param_hint="--url")
+    metrics_url = url.strip().rstrip("/").removesuffix("/v1") + "/metrics"
+    t0, scrapes = time.monotonic(), []
+    try:
+        while True:
+            scrapes = [*scrapes[-window:], scrape(metrics_url, api_key, t0)]
+            if len(scrapes) >= 2:
+                values = snapshot(scrapes, window)
+                if as_json:
+                    click.echo(json.dumps({"url": metrics_url, "t": round(scrapes[-1].t, 1), **values}))
+                else:
+                    if not once:
+                        click.clear()
+                    click.echo(f"{metrics_url}  (last {scrapes[-1].t - scrapes[0].t:.0f} s)\n{render(values)}")
+                if once:
+                    return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
