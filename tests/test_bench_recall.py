@@ -108,3 +108,14 @@ def test_selector_specs_name_their_options_and_bad_ones_are_refused():
                       ("exact+layer", "needs reduce: mass"), ("nope", "unknown selector")):
         out = CliRunner().invoke(main, ["bench", "recall", "--selectors", bad, "--sessions", "0", "--json"])
         assert out.exit_code == 2 and said in out.output and "Traceback" not in out.output, (bad, out.output)
+
+
+def test_reply_start_finds_the_last_copy_of_the_reply_past_the_floor():
+    from snapkv_sessions.bench.recall import _reply_start
+
+    seq = [1, 2, 3, 9, 9, 4, 9, 9, 5]
+    assert _reply_start(seq, [9, 9], 0) == 6  # the reply is the last copy
+    assert _reply_start(seq, [9, 9, 5], 0) == 6
+    assert _reply_start(seq, [9, 9, 4], 3) == 3
+    with pytest.raises(ValueError):
+        _reply_start(seq, [9, 9, 4], 4)  # not at or after the floor

@@ -25,6 +25,8 @@ from ..config import BUILTIN_SELECTORS, CompressionConfig, RecallConfig
 from ..policy import Policy
 from ..recall import SELECTORS as REGISTRY
 from ..recall import Exact, LowRank, page_slots, register_selector
+from ..session import Session
+from ..store import SessionStore
 from .shift import SYSTEM, make_scenario, run_session
 
 SELECTORS = BUILTIN_SELECTORS
@@ -290,3 +292,78 @@ def selection_table(res: dict) -> str:
     for name, c in res.items():
         lines.append(f"{name:<24} {c['mass']:>14.3f} {c['of_oracle']:>9.3f}")
     return "\n".join(lines)
+
+
+def run_misses(runner, results: str, names: list[str], max_new_tokens: int, records: int = 40, log=print) -> dict:
+    """Why a condition's reply parted from the full cache's: for each session's first differing turn (later turns
+    follow different histories, so only the first is read), the full cache's logits at the first differing
+    token, by one exact prefill of the conversation up to it. ``margin``: the full cache's logit of its own token
+    minus that of the token the condition chose (>= 0: the full cache chose its own greedily); ``rank``: where the
+    condition's token stands in the full cache's logits (1: a tie broken the other way).
+
+    Replays only the full-cache sessions of the seeds with a miss (what the results file's rows say), with the
+    grid's ``max_new_tokens``; ``replayed_equal`` says the replay gave the full cache's recorded replies."""
+    rows = _done(Path(results))
+    full = {seed: row for (seed, name), row in rows.items() if name == "full"}
+    wanted: dict[int, list[tuple[str, int, int]]] = {}  # seed -> (condition, turn, token) of its first miss
+    for name in names:
+        for (seed, cond), row in rows.items():
+            if cond != name or seed not in full:
+                continue
+            for i, (mine, ref) in enumerate(zip(row["turns"], full[seed]["turns"], strict=True)):
+                if mine["tokens"] != ref["tokens"]:
+                    d = next((j for j, (a, b) in enumerate(zip(mine["tokens"], ref["tokens"], strict=False)) if a != b),
+                             min(len(mine["tokens"]), len(ref["tokens"])))
+                    wanted.setdefault(seed, []).append((name, i, d))
+                    break
+    spec = conditions([], [])["full"]
+    misses = []
+    for seed in sorted(wanted):
+        scenario = make_scenario(seed, records=records)
+        session = Session.create(runner, policy=policy_for("full", spec), store=SessionStore("sqlite://"),
+                                 system=SYSTEM)
+        session.add_document(scenario.document, name="directory")
+        ends = []  # per turn: the conversation's tokens up to its reply, and its reply
+        same = True  # the replay gave the recorded full-cache replies so far
+        for turn in scenario.turns[: max(i for _n, i, _d in wanted[seed]) + 1]:
+            before = list(session.state.token_ids) + list(session.state.pending)
+            reply = session.chat(turn.question, max_new_tokens=max_new_tokens)
+            seq = list(session.state.token_ids) + list(session.state.pending)
+            prompt_end = _reply_start(seq, list(reply.token_ids), len(before))
+            same = same and list(reply.token_ids) == full[seed]["turns"][len(ends)]["tokens"]
+            ends.append((seq[:prompt_end], list(reply.token_ids)))
+        for name, i, d in wanted[seed]:
+            prompt, _reply = ends[i]
+            mine = rows[(seed, name)]["turns"][i]["tokens"]
+            ref = full[seed]["turns"][i]["tokens"]
+            if d >= len(mine) or d >= len(ref):  # one reply is a prefix of the other: it ended sooner
+                misses.append({"seed": seed, "condition": name, "turn": i + 1, "token": d, "kind": "length"})
+                continue
+            state = runner.new_state()
+            logits, _ = runner.prefill(state, prompt + ref[:d])  # (V,)
+            logits = logits.float()
+            probs = torch.softmax(logits, dim=-1)  # (V,)
+            margin = float(logits[ref[d]] - logits[mine[d]])
+            rank = int((logits > logits[mine[d]]).sum()) + 1
+            misses.append({"seed": seed, "condition": name, "turn": i + 1, "token": d, "kind": "token",
+                           "margin": round(margin, 4), "rank": rank,
+                           "p_full": round(float(probs[ref[d]]), 4), "p_chosen": round(float(probs[mine[d]]), 4),
+                           "replayed_equal": same})
+            log(f"seed {seed} {name}: turn {i + 1} token {d}: margin {margin:.3f}, rank {rank}")
+    margins = [m["margin"] for m in misses if m["kind"] == "token"]
+    return {"misses": misses, "by_condition": {
+        name: {"first_misses": sum(m["condition"] == name for m in misses),
+               "margin_median": round(statistics.median(ms), 3) if (ms := [m["margin"] for m in misses
+                                                                         if m["condition"] == name and "margin" in m])
+               else None,
+               "under_1_logit": sum(m.get("margin", 99) < 1.0 for m in misses if m["condition"] == name),
+               "rank_2": sum(m.get("rank") == 2 for m in misses if m["condition"] == name)}
+        for name in names}, "margins": margins}
+
+
+def _reply_start(seq: list[int], reply: list[int], floor: int) -> int:
+    """Where ``reply`` starts in ``seq`` (the conversation after its turn), at or after ``floor``."""
+    for start in range(len(seq) - len(reply), floor - 1, -1):
+        if seq[start:start + len(reply)] == reply:
+            return start
+    raise ValueError("the reply is not in the conversation's tokens")

@@ -419,12 +419,16 @@ def _float_list(name: str, text: str) -> list[float]:
                    "exact top-k and the best pages (the largest hot and recall budgets, the same sessions).")
 @click.option("--page", "pages", default="8,16", show_default=True,
               help="With --selection: page sizes of the pages selector.")
+@click.option("--misses", default=None,
+              help="Conditions (as the results file names them, e.g. hot0.2+lowrank0.1+mass) whose first reply that "
+                   "parts from the full cache's is read: the full cache's logit margin at the first differing token "
+                   "(needs --results with the grid's rows and the grid's --max-new-tokens).")
 @click.option("--dtype", default="bfloat16", type=click.Choice(["float32", "bfloat16"]), show_default=True)
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
 def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps, selection,
-                 pages, dtype, out, as_json) -> None:
+                 pages, misses, dtype, out, as_json) -> None:
     """Decode-time recall from the tier: replies equal to the full cache's, turn by turn, and TPOT side by side."""
     from ..bench import quality, recall
     from ..config import RecallConfig
@@ -449,6 +453,11 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
         cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=shown.log,
                                selectors=chosen) if lengths else {}
         result = {"benchmark": "recall", "model": model, "dtype": dtype, "summary": summary, "cost": cost}
+        if misses:
+            if not results:
+                raise click.BadParameter("give --results: the rows whose misses are read", param_hint="--misses")
+            result["misses"] = recall.run_misses(runner, results, [m.strip() for m in misses.split(",") if m.strip()],
+                                                 max_new_tokens, log=shown.log)
         if selection:
             ratio = max(recall_list)
             specs = {}
