@@ -56,6 +56,12 @@ class TemplateError(ConfigError):
     """The chat template does not render a conversation as a stable prefix of its extension."""
 
 
+class RenderDiverged(TemplateError):
+    """The conversation, rendered now, does not start with the tokens the cache holds: a reply decoded a special
+    token that its stored text leaves out, or the template renders an earlier message differently once more
+    follow. The session re-prefills the turn from the store (exact); nothing is refused."""
+
+
 @dataclass(frozen=True)
 class MessagePins:
     """Pinned character ranges of one message's rendered span, computed once when the message is committed.

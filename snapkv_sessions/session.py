@@ -20,7 +20,7 @@ import numpy as np
 
 from . import forks, stats
 from .admission import Admission, AdmissionError
-from .chat import Message
+from .chat import Message, RenderDiverged
 from .drift import Assessment, decide_turn
 from .errors import ConfigError
 from .forks import Snapshot
@@ -225,7 +225,12 @@ class Session(SessionSync):
         evicted = any(n != self.state.next_position for n in self.state.cache_lengths())
         decision, events = decide_turn(assessment, self.policy, evicted, self._prior_reprefills, turn,
                                        self.state.cache.lost)
-        plan = self.transcript.plan(msgs, self._context(user_seq, decision == "reprefill"))
+        try:
+            plan = self.transcript.plan(msgs, self._context(user_seq, decision == "reprefill"))
+        except RenderDiverged:  # the cache holds tokens the conversation no longer renders to: rebuild from the store
+            decision = "reprefill"
+            events.append(("render_diverged", {"cached_tokens": self.state.next_position}))
+            plan = self.transcript.plan(msgs, self._context(user_seq, True))
         run = self._execute(plan, msgs, user_seq, gen=gen)
         t_prefill = time.perf_counter()
         if plan.reprefill:
@@ -262,8 +267,9 @@ class Session(SessionSync):
             raise StoreError(f"session_id={self.id!r}: assistant message got seq {msg['seq']}, expected {assistant_seq}")
         self.turns_applied = turn
         lost = next((payload["reason"] for kind, payload in out.events if kind == "tier_lost"), None)
-        reason = ((f"{stats.REPREFILL_TIER_LOST}: {lost}" if lost else stats.REPREFILL_DRIFT)
-                  if out.decision == "reprefill" else None)
+        render = any(kind == "render_diverged" for kind, _payload in out.events)
+        reason = ((f"{stats.REPREFILL_TIER_LOST}: {lost}" if lost else stats.REPREFILL_RENDER if render
+                   else stats.REPREFILL_DRIFT) if out.decision == "reprefill" else None)
         emit_turn(self.id, turn, self.model_id, out.decision, reason, plan, result, state, replay=False,
                   figures=self._figures(kept, result.prefill_end, roles, kept_per_role))
         self.last_reply = Reply.of_turn(self.id, turn, text.text, plan, result.tokens, (decode_tokens, pending),

@@ -315,13 +315,14 @@ class FaultStat:
 REPREFILL_DRIFT = "drift"
 REPREFILL_TIER_LOST = "tier lost"
 REPREFILL_AS_RECORDED = "as recorded"  # a replayed turn that re-prefilled when it ran live
-_REPREFILL_CAUSES = (REPREFILL_DRIFT, REPREFILL_TIER_LOST, REPREFILL_AS_RECORDED)
+REPREFILL_RENDER = "render"  # the conversation no longer renders to the cache's tokens (chat.RenderDiverged)
+_REPREFILL_CAUSES = (REPREFILL_DRIFT, REPREFILL_TIER_LOST, REPREFILL_AS_RECORDED, REPREFILL_RENDER)
 
 
 def reprefill_cause(reason: str | None) -> str | None:
     """The bounded cause of a :attr:`TurnStat.reprefill_reason` (``"drift"``, ``"tier_lost"``,
-    ``"as_recorded"``, ``"other"``; None when the turn did not re-prefill): a label a metric may carry, where the
-    reason itself holds free text."""
+    ``"as_recorded"``, ``"render"``, ``"other"``; None when the turn did not re-prefill): a label a metric may
+    carry, where the reason itself holds free text."""
     if reason is None:
         return None
     head = reason.split(":", 1)[0].strip()

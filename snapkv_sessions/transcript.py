@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import regex
 
-from .chat import ChatFormatter, Message, MessagePins, TemplateError
+from .chat import ChatFormatter, Message, MessagePins, RenderDiverged, TemplateError
 from .errors import ConfigError, PlanError
 from .policy import ROLES, PinPolicy
 
@@ -328,7 +328,7 @@ class Transcript:
         text, spans = self.formatter.render(msgs, generation_prompt=True)
         base = 0 if ctx.reprefill else len(self.text)
         if not ctx.reprefill and not text.startswith(self.text):
-            raise TemplateError("tokenizer.chat_template", "transcript", "the cache is not a prefix of the render")
+            raise RenderDiverged("tokenizer.chat_template", "transcript", "the cache is not a prefix of the render")
         ids, offsets = self._delta(text, base, self._plain_ranges(msgs, text, spans, base))
         first = 0 if ctx.reprefill else self.length
         starts = [a for _, a, _ in spans]

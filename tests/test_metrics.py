@@ -505,3 +505,30 @@ def test_top_reads_a_servers_metrics(tmp_path):
         assert bad.exit_code != 0 and "--url" in bad.output
     finally:
         server.shutdown()
+
+
+def test_a_reply_holding_a_special_token_makes_the_next_turn_re_prefill_not_fail(tmp_path):
+    """The tiny model decodes its tokenizer's ``<eos>`` (not the model's end token) mid-reply: the stored reply
+    leaves it out, so the conversation no longer renders to the cached tokens. The next turn re-prefills from the
+    store (cause ``render``) instead of refusing every later turn of the session."""
+    from snapkv_sessions import Session
+
+    policy = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"},
+              "memory": {"cold": True, "recall": {"budget": 2, "selector": "exact"}}}
+    _app, client, service = tiny_app(tmp_path, policy=policy)
+    words = "the special magic number is hidden within following text of many words".split()
+    eos = service.runner.tokenizer.convert_tokens_to_ids("<eos>")
+    with client:
+        turns = []
+        for i in range(3):
+            session = Session.create_on(service.runner, service.model_id, service.policy, service.store,
+                                        {"system": f"rule {i}: answer with numbers only"})
+            for t in range(3):
+                session.chat(" ".join(words[(i + t + j) % len(words)] for j in range(9)), max_new_tokens=4)
+            turns.append(service.store.turns(session.id, status="done"))
+        samples = scrape(client.get("/metrics").text)
+    assert [len(ts) for ts in turns] == [3, 3, 3]  # no turn refused
+    after = [b for ts in turns for a, b in zip(ts, ts[1:], strict=False)
+             if eos in a["decode_tokens"] + a["pending_tokens"]]
+    assert after and all(b["drift_decision"] == "reprefill" for b in after)
+    assert total(samples, "snapkv:reprefills_total", cause="render") == len(after)
