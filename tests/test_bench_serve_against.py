@@ -232,3 +232,16 @@ def test_metrics_both_runs_each_server_with_and_without_and_gives_the_ratio(monk
     ratio = {r["metrics"]: r["vs_no_metrics"] for r in out["levels"]}
     assert ratio == {True: 0.9, False: None}
     assert "with GET /metrics / without" in serve_bench.table(out)
+
+
+def test_the_command_builds_its_bench_with_every_option():
+    """bench serve's options reach ServeBench by name (a field added to the dataclass cannot shift the others):
+    the run gets as far as the --against server, which does not answer."""
+    from click.testing import CliRunner
+
+    from snapkv_sessions.cli import main
+
+    res = CliRunner().invoke(main, ["bench", "serve", "--model", "m", "--metrics", "both", "--packed-weights", "both",
+                                    "--document-tokens", "300", "--against-only", "--against",
+                                    "http://127.0.0.1:1/v1", "--against-model", "x"])
+    assert res.exit_code != 0 and "TypeError" not in res.output and "127.0.0.1:1" in res.output

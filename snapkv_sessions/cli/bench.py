@@ -287,12 +287,13 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, pac
         pids = [int(p) for p in _split(against_pids)]
     except ValueError:
         raise click.BadParameter(f"{bounded_repr(against_pids)}: give process ids", param_hint="--against-pid") from None
-    spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns, max_tokens,
-                                  tuple(_int_list("batch", batches)), max_queue, policy, budget,
-                                  {"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
-                                  max(0, document_tokens), _budget_list(budgets) if budgets is not None else (),
-                                  ours=not against_only,
-                                  metrics={"on": (True,), "off": (False,), "both": (False, True)}[metrics])
+    spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns=turns, max_tokens=max_tokens,
+                                  batches=tuple(_int_list("batch", batches)), max_queue=max_queue, policy=policy,
+                                  budget=budget,
+                                  packed={"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
+                                  metrics={"on": (True,), "off": (False,), "both": (False, True)}[metrics],
+                                  document_tokens=max(0, document_tokens),
+                                  budgets=_budget_list(budgets) if budgets is not None else (), ours=not against_only)
     if spec.budgets:
         for b in spec.budgets:  # a policy these budgets cannot make is refused before any server starts
             spec.sessions_policy(b)
