@@ -355,7 +355,7 @@ DASHBOARD_POLICY = {
     "compression": {"budget_ratio": 0.3, "window": 16, "pin_overflow": "grow"},
     "drift": {"embedder": "none"},
     # the tier with decode-time recall, and a pool cap small enough that some tiers are dropped (re-prefills)
-    "memory": {"cold": True, "max_bytes": 8 << 20, "recall": {"ratio": 0.1, "selector": "lowrank", "reduce": "mass"}},
+    "memory": {"cold": True, "max_bytes": 40 << 20, "recall": {"ratio": 0.1, "selector": "lowrank", "reduce": "mass"}},
 }
 
 
