@@ -215,19 +215,23 @@ def _engine_deployment(spec: RaySpec):
             self._push()
             threading.Thread(target=self._push_every, daemon=True, name="metrics-push").start()
 
-        def _push(self) -> None:
-            """This replica's metrics to the hub (fire and forget: a turn never waits on it)."""
+        def _push(self):
+            """This replica's metrics to the hub (fire and forget: a turn never waits on it); the call's ref."""
             from prometheus_client import generate_latest
 
-            self.hub.push.remote(self.name, generate_latest(self.metrics.registry).decode())
+            return self.hub.push.remote(self.name, generate_latest(self.metrics.registry).decode())
 
         def _push_every(self) -> None:
+            """The periodic push, which waits for the hub's answer: a hub that died is made again."""
             while True:
                 time.sleep(self.spec.metrics_push_s)
                 try:
-                    self._push()
-                except Exception:  # noqa: BLE001 - the hub restarting must not end the pushes
-                    pass
+                    ray.get(self._push(), timeout=30)
+                except Exception:  # noqa: BLE001 - the hub went away: the pushes go on to a new one
+                    try:
+                        self.hub = _hub()
+                    except Exception:  # noqa: BLE001 - Ray itself is stopping; the next period tries again
+                        pass
 
         @serve.multiplexed(max_num_models_per_replica=spec.sessions_per_replica)
         async def session(self, session_id: str) -> str:
@@ -355,7 +359,13 @@ def _ingress_deployment(spec: RaySpec):
                 stats.emit(stats.QueueStat(self.running, 0))
 
         async def _replicas(self) -> dict[str, str]:
-            return await self.hub.fresh.remote(STALE_PUSHES * self.spec.metrics_push_s)
+            """The live replicas' scrape texts; none when the hub does not answer (a scrape then shows the
+            ingress's own metrics, and /ready says no replica, rather than failing)."""
+            try:
+                return await asyncio.wait_for(self.hub.fresh.remote(STALE_PUSHES * self.spec.metrics_push_s), 10)
+            except Exception:  # noqa: BLE001 - the hub died or is slow: the ingress keeps answering
+                self.hub = _hub()  # made again on the next push or read
+                return {}
 
         @app.get("/health")
         async def health(self) -> JSONResponse:
