@@ -42,6 +42,19 @@ class Scrape:
         return cls(t, {(s.name, tuple(sorted(s.labels.items()))): s.value
                        for family in text_string_to_metric_families(text) for s in family.samples})
 
+    @classmethod
+    def fetch(cls, url: str, key: str | None, t0: float, timeout: float = 10.0) -> Scrape:
+        """``GET url`` (a ``/metrics``) now, timed from ``t0`` (``time.monotonic``); a server that does not answer
+        200 is a clear error naming the URL."""
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        try:
+            res = httpx.get(url, headers=headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ConfigError("url", url[:200], f"no answer ({type(exc).__name__}); is the server running?") from None
+        if res.status_code != 200:
+            raise ConfigError("url", url[:200], f"answered {res.status_code} ({res.text[:200]})")
+        return cls.parse(time.monotonic() - t0, res.text)
+
 
 # ---------------------------------------------------------------------- the PromQL subset
 
@@ -257,10 +270,8 @@ def scrape_while(url: str, work, interval: float, key: str | None = None) -> lis
     t0 = time.monotonic()
     thread.start()
     scrapes, tail = [], 2
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     while tail > 0:
-        text = httpx.get(url, headers=headers, timeout=30).text
-        scrapes.append(Scrape.parse(time.monotonic() - t0, text))
+        scrapes.append(Scrape.fetch(url, key, t0, timeout=30.0))
         if done.is_set():
             tail -= 1
         time.sleep(interval)

@@ -212,7 +212,8 @@ def top(url: str, api_key: str | None, interval: float, window: int, once: bool,
     cold-tier pool), read from its GET /metrics; Ctrl-C stops."""
     from urllib.parse import urlsplit
 
-    from ..serve.top import render, scrape, snapshot
+    from ..bench.dashboard import Scrape
+    from ..serve.top import render, snapshot
 
     if interval <= 0 or window < 1:
         raise click.BadParameter(f"{interval!r}: give seconds > 0 and a window of at least 1", param_hint="--interval")
@@ -223,7 +224,7 @@ def top(url: str, api_key: str | None, interval: float, window: int, once: bool,
     t0, scrapes = time.monotonic(), []
     try:
         while True:
-            scrapes = [*scrapes[-window:], scrape(metrics_url, api_key, t0)]
+            scrapes = [*scrapes[-window:], Scrape.fetch(metrics_url, api_key, t0)]
             if len(scrapes) >= 2:
                 values = snapshot(scrapes, window)
                 if as_json:

@@ -23,6 +23,7 @@ off.
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -228,10 +229,8 @@ def _engine_deployment(spec: RaySpec):
                 try:
                     ray.get(self._push(), timeout=30)
                 except Exception:  # noqa: BLE001 - the hub went away: the pushes go on to a new one
-                    try:
+                    with contextlib.suppress(Exception):  # Ray itself may be stopping: the next period tries again
                         self.hub = _hub()
-                    except Exception:  # noqa: BLE001 - Ray itself is stopping; the next period tries again
-                        pass
 
         @serve.multiplexed(max_num_models_per_replica=spec.sessions_per_replica)
         async def session(self, session_id: str) -> str:
@@ -364,7 +363,8 @@ def _ingress_deployment(spec: RaySpec):
             try:
                 return await asyncio.wait_for(self.hub.fresh.remote(STALE_PUSHES * self.spec.metrics_push_s), 10)
             except Exception:  # noqa: BLE001 - the hub died or is slow: the ingress keeps answering
-                self.hub = _hub()  # made again on the next push or read
+                with contextlib.suppress(Exception):  # Ray itself may be stopping: the next read tries again
+                    self.hub = _hub()
                 return {}
 
         @app.get("/health")

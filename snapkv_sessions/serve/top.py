@@ -8,12 +8,8 @@ scrape does not hold.
 from __future__ import annotations
 
 import math
-import time
-
-import httpx
 
 from ..bench.dashboard import Scrape, evaluate
-from ..errors import ConfigError
 
 # (name, PromQL, unit): what one screen shows. Rates and quantiles span the scrapes of the window.
 FIGURES: tuple[tuple[str, str, str], ...] = (
@@ -45,20 +41,10 @@ def snapshot(scrapes: list[Scrape], window: int) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name, expr, _unit in FIGURES:
         value = evaluate(expr, scrapes, len(scrapes) - 1, window)
-        v = sum(value.values()) if isinstance(value, dict) and value else (None if isinstance(value, dict) else value)
-        out[name] = None if v is None or math.isnan(v) else round(v, 4)
+        if isinstance(value, dict):  # a vector: its series summed (none: no value)
+            value = sum(value.values()) if value else None
+        out[name] = None if value is None or math.isnan(value) else round(value, 4)
     return out
-
-
-def scrape(url: str, key: str | None, t0: float) -> Scrape:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    try:
-        res = httpx.get(url, headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        raise ConfigError("url", url[:200], f"no answer ({type(exc).__name__}); is the server running?") from None
-    if res.status_code != 200:
-        raise ConfigError("url", url[:200], f"answered {res.status_code} ({res.text[:200]})")
-    return Scrape.parse(time.monotonic() - t0, res.text)
 
 
 def render(values: dict[str, float | None]) -> str:
