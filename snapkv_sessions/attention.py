@@ -35,7 +35,8 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     key, value : (B, Hkv, T, D), with T >= Q; Hq a multiple of Hkv (GQA)
     key_mask : (B, 1, 1, T) or (B, Hkv, 1, T) bool: the keys each row (and KV head) may see: several sessions
         padded into one batch (:mod:`snapkv_sessions.batch`), or the padding slots of heads that keep different
-        numbers of slots (:mod:`snapkv_sessions.allocate`); None: all of them
+        numbers of slots (:mod:`snapkv_sessions.allocate`); None: all of them. Or, at decode, (B, Hq, 1, T) fp32
+        added to the scaled logits (-inf: not seen; :func:`with_recalled`'s tail estimate)
 
     Returns
     -------
@@ -45,6 +46,8 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     gqa = query.shape[1] != key.shape[1]
     if q_len == 1 and query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu":
         return _decode_matmul(query, key, value, scaling, key_mask)
+    if key_mask is not None and key_mask.dtype != torch.bool:
+        key_mask = key_mask.to(query.dtype)  # SDPA adds a float mask of the query's dtype
     if key_mask is not None and key_mask.shape[1] not in (1, query.shape[1]):  # per KV head: to its query heads
         key_mask = key_mask.repeat_interleave(query.shape[1] // key_mask.shape[1], dim=1)  # (B, Hq, 1, T)
     if q_len == 1:  # decode: the one query sees every cached key (of its own row)
@@ -65,14 +68,17 @@ def _decode_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     and fp16 tiles the queries in blocks, so one query costs a block's work: measured 7x (1.5K keys) to 19x (8K)
     slower than this on the 0.5B's heads. fp32 keeps SDPA (the equality tests' path).
 
-    query (B, Hq, 1, D); key, value (B, Hkv, T, D); key_mask (B, 1 or Hkv, 1, T) bool or None.
+    query (B, Hq, 1, D); key, value (B, Hkv, T, D); key_mask (B, 1 or Hkv, 1, T) bool, (B, Hq, 1, T) fp32
+    additive, or None.
     Returns (B, 1, Hq, D)."""
     bsz, n_q, _, dim = query.shape
     n_kv = key.shape[1]
     grouped = query.view(bsz, n_kv, n_q // n_kv, dim)  # (B, Hkv, G, D) the query heads of each KV head
     logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # (B, Hkv, G, T)
-    if key_mask is not None:
+    if key_mask is not None and key_mask.dtype == torch.bool:
         logits = logits.masked_fill(~key_mask, float("-inf"))  # (B, 1 or Hkv, 1, T) broadcast over the group
+    elif key_mask is not None:
+        logits = logits + key_mask.float().view(bsz, n_kv, n_q // n_kv, -1)  # (B, Hq, 1, T): per query head
     probs = logits.softmax(dim=-1).to(value.dtype)  # (B, Hkv, G, T)
     out = torch.matmul(probs, value)  # (B, Hkv, G, D)
     return out.view(bsz, 1, n_q, dim)  # (B, 1, Hq, D): one position, the heads in order
@@ -166,15 +172,31 @@ def snapkv_attention_forward(
 def with_recalled(recall, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   key_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The hot keys and values (B, Hkv, T, D) with the step's recalled ones after them (B, Hkv, T + K, D), and the
-    key mask over both (B, Hkv, 1, T + K): one exact softmax over hot and recalled slots together."""
+    key mask over both (B, Hkv, 1, T + K): one exact softmax over hot and recalled slots together.
+
+    With a tail estimate (:class:`~snapkv_sessions.recall.Recalled`), G more slots follow, one per query head of
+    a group: a zero key, the tail's value, and the tail's logit as an additive bias that only its own query head
+    sees; the mask is then that bias, (B, Hq, 1, T + K + G) fp32, 0 where a key is seen and -inf where not."""
     got = recall.extra(layer, query, HotKeys(key, key_mask, scaling))
     if got is None:
         return key, value, key_mask
-    rec_k, rec_v, attend = got  # (B, Hkv, K, D) each, (B, Hkv, 1, K)
     bsz, heads, t_len = key.shape[0], key.shape[1], key.shape[2]
     hot = (torch.ones(bsz, heads, 1, t_len, dtype=torch.bool, device=key.device) if key_mask is None
            else key_mask.expand(bsz, heads, 1, t_len))  # (B, Hkv, 1, T)
-    return torch.cat([key, rec_k], dim=2), torch.cat([value, rec_v], dim=2), torch.cat([hot, attend], dim=-1)
+    key = torch.cat([key, got.keys], dim=2)  # (B, Hkv, T + K, D)
+    value = torch.cat([value, got.values], dim=2)
+    seen = torch.cat([hot, got.attend], dim=-1)  # (B, Hkv, 1, T + K)
+    if got.tail_logit is None:
+        return key, value, seen
+    group = got.tail_logit.shape[-1]
+    width = seen.shape[-1]
+    key = torch.cat([key, key.new_zeros(bsz, heads, group, key.shape[-1])], dim=2)  # (B, Hkv, T + K + G, D)
+    value = torch.cat([value, got.tail_values.to(value.dtype)], dim=2)
+    blocked = torch.zeros(seen.shape, device=key.device).masked_fill(~seen, float("-inf"))  # (B, Hkv, 1, T + K)
+    own = torch.eye(group, dtype=torch.bool, device=key.device)  # (G, G): query head g sees tail slot g only
+    tail = got.tail_logit[..., None].expand(bsz, heads, group, group).masked_fill(~own, float("-inf"))  # (B,Hkv,G,G)
+    bias = torch.cat([blocked.expand(bsz, heads, group, width), tail], dim=-1)  # (B, Hkv, G, T + K + G)
+    return key, value, bias.reshape(bsz, heads * group, 1, width + group)  # (B, Hq, 1, T + K + G)
 
 
 def register() -> str:

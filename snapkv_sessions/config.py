@@ -265,6 +265,13 @@ class RecallConfig(_Settings):
         How the step's recall budget is split: ``"head"`` (``budget`` slots per layer and KV head), or ``"layer"``
         (``budget`` times the KV heads per layer, to the slots of any head with the most attention mass: a head
         whose attention is spread out gets more; needs ``reduce: mass``).
+    tail:
+        What becomes of the cold slots a step does not recall: ``"drop"`` (not attended), or ``"pages"``
+        (estimated: each one's logit is the selector's estimate, its value the mean value of its page of
+        ``tail_page`` cold slots, and together they enter the softmax as one more slot per query head, so the
+        attention they would take is not handed to the rest). Needs a selector that scores slots.
+    tail_page:
+        Cold slots per page whose values the tail's estimate averages (1: each slot's own value).
     """
 
     budget: int | None = None
@@ -275,6 +282,8 @@ class RecallConfig(_Settings):
     rank: int = 16
     reduce: Literal["max", "mass"] = "max"
     share: Literal["head", "layer"] = "head"
+    tail: Literal["drop", "pages"] = "drop"
+    tail_page: int = 32
 
     @field_validator("selector")
     @classmethod
@@ -302,6 +311,10 @@ class RecallConfig(_Settings):
             raise ValueError(f"reduce={self.reduce} needs a selector that scores slots; {self.selector!r} ranks pages")
         if self.share == "layer" and self.reduce != "mass":
             raise ValueError(f"share={self.share} compares heads by attention mass: it needs reduce: mass")
+        if self.tail != "drop" and self.selector in PAGE_SELECTORS:
+            raise ValueError(f"tail={self.tail} needs a selector that scores slots; {self.selector!r} ranks pages")
+        if self.tail_page < 1:
+            raise ValueError(f"tail_page={self.tail_page} must be >= 1")
         return self
 
     def slots(self, context: int) -> int:

@@ -253,6 +253,8 @@ _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("memory", "recall", "rank"): 16,
     ("memory", "recall", "reduce"): "max",
     ("memory", "recall", "share"): "head",
+    ("memory", "recall", "tail"): "drop",
+    ("memory", "recall", "tail_page"): 32,
 }
 
 

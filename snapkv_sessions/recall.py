@@ -266,8 +266,9 @@ register_selector("pages", lambda cfg, rotary: Pages(cfg.page))
 register_selector("lowrank", lambda cfg, rotary: LowRank(cfg.rank, rotary))
 assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
 
-__all__ = ["SELECTORS", "BatchRecall", "Exact", "HotKeys", "LowRank", "Pages", "Recall", "RecallConfig", "RecallStats",
-           "SlotSelector", "SparQ", "attention_mass", "page_slots", "register_selector"]
+__all__ = ["SELECTORS", "BatchRecall", "Exact", "HotKeys", "LowRank", "PageMeans", "Pages", "Recall", "RecallConfig",
+           "RecallStats", "Recalled", "SlotSelector", "SparQ", "attention_mass", "page_slots", "register_selector",
+           "tail_estimate"]
 
 
 @dataclass
@@ -301,6 +302,79 @@ class RecallStats:
                                         "recalled": self.read_recalled // steps}}
 
 
+@dataclass(frozen=True)
+class Recalled:
+    """What one layer's decode step recalls from the tier, for the attention function
+    (:func:`snapkv_sessions.attention.with_recalled`).
+
+    keys, values : (B, Hkv, K, D) the recalled slots, in the query's dtype
+    attend : (B, Hkv, 1, K) bool, which of them each head attends to
+    tail_values : (B, Hkv, G, D) or None: per query head of a group, the estimated mean value of the cold slots
+        not recalled, weighted by the attention each would get (``tail: pages``)
+    tail_logit : (B, Hkv, G) fp32 or None: the log of their total unnormalised attention (the logsumexp of their
+        scaled logits), -inf where nothing is left out; one more slot per query head with this logit and that
+        value stands for all of them in the softmax
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    attend: torch.Tensor
+    tail_values: torch.Tensor | None = None
+    tail_logit: torch.Tensor | None = None
+
+
+@dataclass
+class PageMeans:
+    """Each page of ``page`` consecutive cold slots summarised by its mean value: the tail's estimate of the value
+    of any slot in it (built once per cold layer and turn, like :class:`Pages`' bounds)."""
+
+    page: int = 32
+    _memo: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+
+    def means(self, values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """(B, Hkv, Np, D) fp32: the mean over each page's real slots (0 for a page of padding alone)."""
+        for held, means in self._memo:
+            if held is values:
+                return means
+        bsz, heads, cold, dim = values.shape
+        n_pages = -(-cold // self.page)
+        pad = n_pages * self.page - cold
+        ok = torch.ones(bsz, heads, cold, device=values.device) if real is None else real.float()  # (B, Hkv, C)
+        v = values.float() * ok[..., None]  # (B, Hkv, C, D) padding slots zeroed
+        v = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(bsz, heads, n_pages, self.page, dim)
+        count = torch.nn.functional.pad(ok, (0, pad)).view(bsz, heads, n_pages, self.page).sum(-1)  # (B, Hkv, Np)
+        means = v.sum(dim=3) / count.clamp_min(1.0)[..., None]  # (B, Hkv, Np, D)
+        self._memo.append((values, means))
+        return means
+
+    def nbytes(self, values: torch.Tensor) -> int:
+        """Bytes of the summary, in the cache's dtype: what would stay on a device."""
+        bsz, heads, cold, dim = values.shape
+        return bsz * heads * -(-cold // self.page) * dim * values.element_size()
+
+
+def tail_estimate(logits: torch.Tensor, idx: torch.Tensor, attend: torch.Tensor, real: torch.Tensor | None,
+                  means: torch.Tensor, page: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cold slots a step leaves out, as one slot per query head: (values (B, Hkv, G, D), logit (B, Hkv, G)).
+
+    logits (B, Hkv, G, C) the selector's unscaled estimates; idx, attend (B, Hkv, K) the recalled slots; means
+    (B, Hkv, Np, D) :class:`PageMeans`. A left-out slot ``i`` would take ``exp(s_i)`` of the softmax's sum
+    (``s_i`` its scaled logit) and add ``exp(s_i) v_i``; with ``v_i`` its page's mean, their sum is
+    ``exp(logit) * values``. Exact when the logits are and ``page`` is 1."""
+    bsz, heads, group, cold = logits.shape
+    left_out = torch.zeros(bsz, heads, cold, dtype=torch.bool, device=logits.device)  # (B, Hkv, C)
+    left_out.scatter_(-1, idx, attend)  # the recalled slots: attended exactly
+    if real is not None:
+        left_out |= ~real  # padding: never attended
+    s = (logits.float() * scaling).masked_fill(left_out[:, :, None], float("-inf"))  # (B, Hkv, G, C)
+    logit = s.logsumexp(dim=-1)  # (B, Hkv, G), -inf when nothing is left out
+    weights = (s - logit[..., None]).exp().nan_to_num(0.0)  # (B, Hkv, G, C) summing to 1 (or all 0)
+    n_pages = means.shape[2]
+    weights = torch.nn.functional.pad(weights, (0, n_pages * page - cold))  # (B, Hkv, G, Np * page)
+    per_page = weights.view(bsz, heads, group, n_pages, page).sum(-1)  # (B, Hkv, G, Np)
+    return torch.einsum("bhgp,bhpd->bhgd", per_page, means), logit  # (B, Hkv, G, D), (B, Hkv, G)
+
+
 class Recall:
     """The recall of one session's decode: per layer, the cold slots each KV head's step query reaches for.
 
@@ -313,9 +387,11 @@ class Recall:
     def __init__(self, cfg: RecallConfig, cold, stats: RecallStats, rotary: Rotary | None = None) -> None:
         self.cfg, self.cold, self.stats = cfg, cold, stats
         self.selector = SELECTORS[cfg.selector](cfg, rotary)
-        if cfg.reduce == "mass" and not callable(getattr(self.selector, "logits", None)):
-            raise ConfigError("memory.recall.reduce", cfg.reduce,
-                              f"needs a selector with per-slot logits; {cfg.selector!r} has none")
+        for param, value, wants in (("reduce", cfg.reduce, "mass"), ("tail", cfg.tail, "pages")):
+            if value == wants and not callable(getattr(self.selector, "logits", None)):
+                raise ConfigError(f"memory.recall.{param}", value,
+                                  f"needs a selector with per-slot logits; {cfg.selector!r} has none")
+        self.tail = PageMeans(cfg.tail_page) if cfg.tail == "pages" else None
         self.context = 0  # true positions at this step (set by the cache before each step)
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
@@ -334,23 +410,27 @@ class Recall:
         """The turn's figures for its record: the stats, the selector, and the bytes of the cold tier the selector
         needs where it scores (its summary, or the cold keys: what would stay on a device)."""
         self.end()
-        held = sum(self.selector.summary_bytes(part.keys) for part in self.cold.layers if part is not None)
+        held = sum(self.selector.summary_bytes(part.keys) + (0 if self.tail is None else self.tail.nbytes(part.values))
+                   for part in self.cold.layers if part is not None)
         return {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector}
 
-    def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The recalled keys and values of ``layer`` for this step, (B, Hkv, K, D) each, and (B, Hkv, 1, K) bool:
-        which to attend to; None when the layer has nothing cold or the budget is 0.
+    def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None) -> Recalled | None:
+        """What ``layer`` recalls this step (:class:`Recalled`); None when the layer has nothing cold, or the budget
+        is 0 and the tail is dropped.
 
         ``query`` (B, Hq, 1, D): the step's query, post-RoPE; ``hot``: the layer's hot keys this step (needed by
-        ``reduce: mass``, which normalises each query head's attention over them)."""
+        ``reduce: mass``, which normalises each query head's attention over them, and by the tail's estimate,
+        for the softmax scale)."""
         part = self.cold.layers[layer]
         if part is None:
             return None
         keys, values = part.keys, part.values  # (B, Hkv, C, D), on the host; the model's device on a CPU
         k = min(self.cfg.slots(self.context), keys.shape[2])
-        if k <= 0:
+        if k <= 0 and self.tail is None:
             return None
+        if (self.cfg.reduce == "mass" or self.tail is not None) and hot is None:
+            raise ValueError("reduce: mass and the tail's estimate need the layer's hot keys "
+                             "(Recall.extra(..., hot=HotKeys(...)))")
         bsz, n_q, _, dim = query.shape
         heads = keys.shape[1]
         grouped = query.view(bsz, heads, n_q // heads, dim)  # (B, Hkv, G, D)
@@ -358,23 +438,31 @@ class Recall:
         real = None if part.real is None else part.real.to(query.device)
         positions = part.positions.to(query.device)  # (B, Hkv, C)
         hot_read = 0
+        logits = None
         if self.cfg.reduce == "max":
-            idx, attend = self.selector.choose(grouped, cold_keys, real, k, positions)
+            idx, attend = self.selector.choose(grouped, cold_keys, real, max(k, 0), positions)
         else:
-            if hot is None:
-                raise ValueError("reduce: mass needs the layer's hot keys (Recall.extra(..., hot=HotKeys(...)))")
             logits = self.selector.logits(grouped, cold_keys, real, positions)  # (B, Hkv, G, C)
             mass = attention_mass(grouped, logits, real, hot)  # (B, Hkv, C)
             idx, attend = _top(mass, real, k) if self.cfg.share == "head" else _top_shared(mass, real, k)
             hot_read = hot.keys.numel() * hot.keys.element_size()  # the hot keys read once more, for their sums
         rows = idx[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, K, D)
+        cold_values = values.to(query.device)
         rec_k = cold_keys.gather(2, rows).to(query.dtype)  # (B, Hkv, K, D)
-        rec_v = values.to(query.device).gather(2, rows).to(query.dtype)
+        rec_v = cold_values.gather(2, rows).to(query.dtype)
         self._account(layer, part, idx, attend, cold_keys, k)
         self.stats.read_select += hot_read
+        tail_values = tail_logit = None
+        if self.tail is not None:
+            if logits is None:
+                logits = self.selector.logits(grouped, cold_keys, real, positions)  # (B, Hkv, G, C)
+            means = self.tail.means(cold_values, real)  # (B, Hkv, Np, D)
+            tail_values, tail_logit = tail_estimate(logits, idx, attend, real, means, self.tail.page, hot.scaling)
+            tail_values = tail_values.to(query.dtype)  # (B, Hkv, G, D)
+            self.stats.read_select += self.tail.nbytes(cold_values)
         if self.observer is not None:
             self.observer(layer, positions.gather(-1, idx).masked_fill(~attend, -1))  # (B, Hkv, K)
-        return rec_k, rec_v, attend[:, :, None]  # (B, Hkv, 1, K)
+        return Recalled(rec_k, rec_v, attend[:, :, None], tail_values, tail_logit)
 
     def _account(self, layer: int, part, idx: torch.Tensor, attend: torch.Tensor, keys: torch.Tensor, k: int) -> None:
         stats = self.stats
@@ -445,23 +533,30 @@ class BatchRecall:
     def __init__(self, recalls: list[Recall | None]) -> None:
         self.recalls = recalls
 
-    def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``query`` (n, Hq, 1, D); returns keys and values (n, Hkv, K, D) and the mask (n, Hkv, 1, K), or None."""
+    def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None) -> Recalled | None:
+        """``query`` (n, Hq, 1, D); returns the rows' recalls stacked (keys and values (n, Hkv, K, D), the mask
+        (n, Hkv, 1, K), the tails (n, Hkv, G, ...) with logit -inf in a row without one), or None."""
         got = [None if rec is None else rec.extra(layer, query[i : i + 1], None if hot is None else hot.row(i))
                for i, rec in enumerate(self.recalls)]
         present = [g for g in got if g is not None]
         if not present:
             return None
-        width = max(g[0].shape[2] for g in present)
-        like_k, like_v, _ = present[0]
+        width = max(g.keys.shape[2] for g in present)
+        like = present[0]
         bsz = len(got)
-        heads, dim = like_k.shape[1], like_k.shape[-1]
-        keys = like_k.new_zeros(bsz, heads, width, dim)  # (n, Hkv, K, D)
-        values = like_v.new_zeros(bsz, heads, width, like_v.shape[-1])
-        attend = torch.zeros(bsz, heads, 1, width, dtype=torch.bool, device=like_k.device)  # (n, Hkv, 1, K)
+        heads, dim = like.keys.shape[1], like.keys.shape[-1]
+        group = query.shape[1] // heads
+        keys = like.keys.new_zeros(bsz, heads, width, dim)  # (n, Hkv, K, D)
+        values = like.values.new_zeros(bsz, heads, width, like.values.shape[-1])
+        attend = torch.zeros(bsz, heads, 1, width, dtype=torch.bool, device=like.keys.device)  # (n, Hkv, 1, K)
+        tails = any(g.tail_logit is not None for g in present)
+        tail_values = like.values.new_zeros(bsz, heads, group, like.values.shape[-1]) if tails else None
+        tail_logit = torch.full((bsz, heads, group), float("-inf"), device=like.keys.device) if tails else None
         for i, g in enumerate(got):
-            if g is not None:
-                k = g[0].shape[2]
-                keys[i, :, :k], values[i, :, :k], attend[i, :, :, :k] = g[0][0], g[1][0], g[2][0]
-        return keys, values, attend
+            if g is None:
+                continue
+            k = g.keys.shape[2]
+            keys[i, :, :k], values[i, :, :k], attend[i, :, :, :k] = g.keys[0], g.values[0], g.attend[0]
+            if g.tail_logit is not None:
+                tail_values[i], tail_logit[i] = g.tail_values[0], g.tail_logit[0]
+        return Recalled(keys, values, attend, tail_values, tail_logit)

@@ -103,8 +103,12 @@ def test_selector_specs_name_their_options_and_bad_ones_are_refused():
     shared = bench.policy_for("x", conds["hot0.2+exact0.1+mass+layer"]).memory.recall
     assert (shared.selector, shared.reduce, shared.share, shared.ratio) == ("exact", "mass", "layer", 0.1)
     plain = bench.policy_for("x", conds["hot0.2+exact0.1"]).memory.recall
-    assert (plain.reduce, plain.share) == ("max", "head")
+    assert (plain.reduce, plain.share, plain.tail) == ("max", "head", "drop")
+    tail = bench.policy_for("x", bench.conditions([0.2], [0.1], ("lowrank+mass+tail16",))[
+        "hot0.2+lowrank0.1+mass+tail16"]).memory.recall
+    assert (tail.selector, tail.reduce, tail.tail, tail.tail_page) == ("lowrank", "mass", "pages", 16)
     for bad, said in (("exact+foo", "unknown option 'foo'"), ("pages+mass", "ranks pages"),
+                      ("pages+tail", "ranks pages"), ("exact+tailx", "unknown option 'tailx'"),
                       ("exact+layer", "needs reduce: mass"), ("nope", "unknown selector")):
         out = CliRunner().invoke(main, ["bench", "recall", "--selectors", bad, "--sessions", "0", "--json"])
         assert out.exit_code == 2 and said in out.output and "Traceback" not in out.output, (bad, out.output)

@@ -342,3 +342,130 @@ def test_mass_options_are_validated_and_keep_stored_hashes():
         with pytest.raises(PolicyError) as err:
             Policy.from_dict({"memory": {"recall": bad}})
         assert err.value.param == field, (bad, err.value)
+
+
+# ------------------------------------------------------------------ the tail: what a step leaves out, estimated
+
+
+@pytest.mark.parametrize("budget", [0, 2])
+def test_an_exact_tail_of_one_slot_pages_equals_the_full_cache(tiny_kind, budget):
+    """With exact logits and each slot its own page, the estimate of what is not recalled is exact: the step
+    equals full attention whatever the recall budget."""
+    runner = ModelRunner(build_tiny(tiny_kind, seed=3))
+    full = runner.new_state()
+    tail = runner.new_state(tiered=True, recall=RecallConfig.make(budget=budget, tail="pages", tail_page=1))
+    assert turns(runner, tail, HOT) == turns(runner, full, CompressionConfig.make(budget=10_000, window=4))
+    assert tail.reports[-1].compressed
+    for state, cfg in ((tail, HOT), (full, None)):
+        runner.run(state, *_plan(runner, state, prompt(6, seed=9), cfg))
+    logits = [[runner.step(s, t) for t in (5, 7, 11)] for s in (tail, full)]
+    for a, b in zip(*logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # and dropping the same tail does not (the test is not vacuous)
+    drop = runner.new_state(tiered=True, recall=RecallConfig.make(budget=budget))
+    assert turns(runner, drop, HOT) != turns(runner, runner.new_state(), CompressionConfig.make(budget=10_000, window=4))
+
+
+class _Cold:
+    """One layer's cold part, as the tier hands it to a Recall."""
+
+    def __init__(self, keys, values, real, positions):
+        self.keys, self.values, self.real, self.positions = keys, values, real, positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("select", [{"selector": "lowrank", "rank": 2}, {"selector": "sparq", "channels": 3,
+                                                                           "reduce": "mass"}], ids=_name)
+def test_the_tail_equals_its_formula(select, dtype):
+    """One decode step's attention output, computed slot by slot in float64: the hot and recalled slots with their
+    exact logits and values, every other real cold slot with the selector's logit and its page's mean value."""
+    from types import SimpleNamespace
+
+    from snapkv_sessions.attention import causal_sdpa, with_recalled
+    from snapkv_sessions.recall import Recall, RecallStats
+
+    g = torch.Generator().manual_seed(0)
+    bsz, n_kv, group, dim, hot_n, cold_n, page = 1, 2, 3, 8, 5, 11, 4
+    query = torch.randn(bsz, n_kv * group, 1, dim, generator=g)
+    hot_k, hot_v = torch.randn(2, bsz, n_kv, hot_n, dim, generator=g)
+    cold_k, cold_v = torch.randn(2, bsz, n_kv, cold_n, dim, generator=g)
+    real = torch.ones(bsz, n_kv, cold_n, dtype=torch.bool)
+    real[0, 1, -3:] = False  # head 1 keeps fewer cold slots: its last three are padding
+    positions = torch.arange(cold_n).expand(bsz, n_kv, cold_n)
+    cfg = RecallConfig.make(budget=3, tail="pages", tail_page=page, **select)
+    recall = Recall(cfg, SimpleNamespace(layers=[_Cold(cold_k, cold_v, real, positions)]), RecallStats())
+    chosen: list[torch.Tensor] = []
+    recall.observer = lambda layer, pos: chosen.append(pos)
+    scale = 0.3
+    q, hk, hv = (t.to(dtype) for t in (query, hot_k, hot_v))
+    key, value, bias = with_recalled(recall, 0, q, hk, hv, None, scale)
+    got = causal_sdpa(q, key, value, scale, bias)[0, 0]  # (Hq, D)
+    grouped = query.view(bsz, n_kv, group, dim)
+    estimate = recall.selector.logits(grouped, cold_k, real, positions)  # (B, Hkv, G, C)
+    for h in range(n_kv):
+        picked = {int(p) for p in chosen[0][0, h] if p >= 0}
+        means = {}
+        for p0 in range(0, cold_n, page):
+            rows = [i for i in range(p0, min(p0 + page, cold_n)) if real[0, h, i]]
+            means[p0 // page] = cold_v[0, h, rows].double().mean(0) if rows else torch.zeros(dim, dtype=torch.float64)
+        for j in range(group):
+            qh = query[0, h * group + j, 0].double()
+            weights, vals = [], []
+            for i in range(hot_n):
+                weights.append(float(qh @ hot_k[0, h, i].double()) * scale)
+                vals.append(hot_v[0, h, i].double())
+            for i in range(cold_n):
+                if not real[0, h, i]:
+                    continue
+                if i in picked:
+                    weights.append(float(qh @ cold_k[0, h, i].double()) * scale)
+                    vals.append(cold_v[0, h, i].double())
+                else:
+                    weights.append(float(estimate[0, h, j, i]) * scale)
+                    vals.append(means[i // page])
+            p = torch.tensor(weights, dtype=torch.float64).softmax(0)
+            want = (p[:, None] * torch.stack(vals)).sum(0)
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(got[h * group + j].double(), want, rtol=tol, atol=tol)
+    assert all(len({int(p) for p in chosen[0][0, h] if p >= 0}) == 3 for h in range(n_kv))
+
+
+def test_tail_recall_in_batched_slots_equals_each_alone():
+    runner = ModelRunner(build_tiny("qwen2", seed=3))
+    short = GenerationConfig(max_new_tokens=4, eos_token_ids=())
+    a = runner.new_state(tiered=True, recall=RecallConfig.make(budget=4, selector="lowrank", rank=2, reduce="mass",
+                                                                tail="pages", tail_page=3))
+    runner.turn(a, prompt(40), HOT, short)
+    b = runner.new_state(tiered=True, recall=RecallConfig.make(budget=3))  # no tail, in the same batch
+    runner.turn(b, prompt(33, seed=3), HOT, short)
+    states = [a, b]
+    alone = [s.clone() for s in states]
+    tokens = [s.pending[0] for s in states]
+    for s in states + alone:
+        s.pending = []
+        s.cache.prefill_done(s)
+    for _ in range(3):
+        batched = decode_step(runner, states, tokens)  # (2, V)
+        for i, s in enumerate(alone):
+            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
+        tokens = [int(row.argmax()) for row in batched]
+    figures = a.cache.decode_done(a)
+    # the page means count where the selector scores: more than the same recall without a tail
+    plain = runner.new_state(tiered=True, recall=RecallConfig.make(budget=4, selector="lowrank", rank=2,
+                                                                    reduce="mass"))
+    runner.turn(plain, prompt(40), HOT, short)
+    assert figures["summary_bytes"] > plain.reports[-1].tier["recall"]["summary_bytes"]
+
+
+def test_tail_options_are_validated_and_keep_stored_hashes():
+    before = Policy.from_dict({"memory": {"recall": {"ratio": 0.1}}})
+    same = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "tail": "drop", "tail_page": 32}}})
+    assert before.sha256 == same.sha256 and '"tail' not in before.canonical_json()
+    tail = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "tail": "pages"}}})
+    assert tail.sha256 != before.sha256
+    for bad, field in (({"ratio": 0.1, "selector": "pages", "tail": "pages"}, "memory.recall.tail"),
+                       ({"ratio": 0.1, "tail": "pages", "tail_page": 0}, "memory.recall.tail_page"),
+                       ({"ratio": 0.1, "tail": "mean"}, "memory.recall.tail")):
+        with pytest.raises(PolicyError) as err:
+            Policy.from_dict({"memory": {"recall": bad}})
+        assert err.value.param == field, (bad, err.value)

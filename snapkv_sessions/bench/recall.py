@@ -32,18 +32,23 @@ from .shift import SYSTEM, make_scenario, run_session
 SELECTORS = BUILTIN_SELECTORS
 
 
-OPTIONS = {"mass": {"reduce": "mass"}, "layer": {"share": "layer"}}  # a spec's "+word" -> its recall keys
+# a spec's "+word" -> its recall keys; "+tailN" is "+tail" with pages of N slots
+OPTIONS = {"mass": {"reduce": "mass"}, "layer": {"share": "layer"}, "tail": {"tail": "pages"}}
 
 
 def recall_spec(spec: str) -> dict:
-    """A selector spec of the grid, ``NAME[+mass][+layer]`` (``exact``, ``lowrank+mass``, ``exact+mass+layer``) ->
-    its ``memory.recall`` keys (not counting the budget). Unknown words raise ValueError naming them."""
+    """A selector spec of the grid, ``NAME[+mass][+layer][+tail[N]]`` (``exact``, ``lowrank+mass``,
+    ``exact+mass+layer``, ``lowrank+mass+tail16``) -> its ``memory.recall`` keys (not counting the budget).
+    Unknown words raise ValueError naming them."""
     name, *words = spec.split("+")
     out: dict = {"selector": name}
     for word in words:
-        if word not in OPTIONS:
-            raise ValueError(f"unknown option {word!r} (known: {sorted(OPTIONS)})")
-        out.update(OPTIONS[word])
+        if word.startswith("tail") and word[4:].isdigit():
+            out.update(tail="pages", tail_page=int(word[4:]))
+        elif word in OPTIONS:
+            out.update(OPTIONS[word])
+        else:
+            raise ValueError(f"unknown option {word!r} (known: {sorted(OPTIONS)}, tailN)")
     return out
 
 
