@@ -412,7 +412,8 @@ class Recall:
         self.end()
         held = sum(self.selector.summary_bytes(part.keys) + (0 if self.tail is None else self.tail.nbytes(part.values))
                    for part in self.cold.layers if part is not None)
-        return {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector}
+        tail = {} if self.tail is None else {"tail_page": self.tail.page}
+        return {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector, **tail}
 
     def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None) -> Recalled | None:
         """What ``layer`` recalls this step (:class:`Recalled`); None when the layer has nothing cold, or the budget

@@ -175,6 +175,8 @@ def recall(runner, length: int, budget: float, window: int, steps: int, ratio: f
     cells = {"full": {"tpot_ms": round(full_ms, 3)}}
     variants = [("hot", None), ("recall_all", RecallConfig.make(ratio=1.0))]
     variants += [(f"hot+{name}{ratio}", RecallConfig.make(ratio=ratio, selector=name)) for name in SELECTORS]
+    variants.append((f"hot+lowrank{ratio}+mass+tail", RecallConfig.make(ratio=ratio, selector="lowrank", reduce="mass",
+                                                                       tail="pages")))
     same_as_full = None
     for name, rc in variants:
         state = base.clone()
