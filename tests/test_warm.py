@@ -42,6 +42,50 @@ def test_the_warm_start_serves_two_turns_and_stores_nothing(tmp_path, monkeypatc
         service.close()
 
 
+@pytest.mark.parametrize("batch", [0, 2])
+def test_the_warm_start_runs_on_a_thread_that_ends_with_it(tmp_path, monkeypatch, batch):
+    """Model work left on the caller's thread (the server's main thread, which lives on in the event loop) made
+    every later decode step slower (docs/against-vllm.md): the warm start's model and tokenizer calls run on a
+    thread of its own, gone when ``warm`` returns."""
+    import threading
+
+    from snapkv_sessions.runner import ModelRunner
+
+    service = _service(tmp_path, batch)
+    seen: list[threading.Thread] = []
+    turn = ModelRunner.turn if batch == 0 else None
+    prefill = ModelRunner.prefill
+
+    def watch(fn):
+        def wrapped(self, *a, **k):
+            seen.append(threading.current_thread())
+            return fn(self, *a, **k)
+        return wrapped
+
+    monkeypatch.setattr(ModelRunner, "prefill", watch(prefill))
+    if turn is not None:
+        monkeypatch.setattr(ModelRunner, "turn", watch(turn))
+    try:
+        service.warm(48)
+        assert seen and threading.main_thread() not in seen and threading.current_thread() not in seen
+        assert all(not t.is_alive() for t in seen if t.name == "snapkv-warm")
+        assert {t.name for t in seen} <= {"snapkv-warm", "snapkv-scheduler"}
+    finally:
+        service.close()
+
+
+def test_a_failing_warm_start_raises_in_the_callers_thread(tmp_path, monkeypatch):
+    import snapkv_sessions.serve.service as service_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("the warm start failed")
+
+    monkeypatch.setattr(service_mod, "warm_up", boom)
+    service = _service(tmp_path, 0)
+    with pytest.raises(RuntimeError, match="the warm start failed"):
+        service.warm(48)
+
+
 def test_the_document_never_exceeds_its_tokens():
     tok = word_tokenizer()
     for n in (1, 10, 97):

@@ -253,8 +253,29 @@ class Service(Router):
             self.runner = self.scheduler.runner  # sessions run on the scheduler's view of the model
 
     def warm(self, tokens: int = 1024) -> WarmReport:
-        """Serve a throwaway session now so the first request does not pay for first use (:mod:`.warm`)."""
-        return warm_up(self.runner, self.model_id, self.policy, _release, tokens)
+        """Serve a throwaway session now so the first request does not pay for first use (:mod:`.warm`).
+
+        It runs on a thread of its own that ends with it, as a request runs on a worker thread: run on the
+        caller's (the server's main thread, which lives on in the event loop), it left every later decode step
+        about 1.6x slower (SmolLM2 bf16: 80-86 ms a token streamed against 45-50 ms; measured in
+        docs/against-vllm.md). Run on a thread that ends, the steps after it are as fast as in a process that
+        never warmed. The mechanism is not isolated: libgomp keeps an OpenMP team per thread that ran parallel
+        kernels while that thread lives, and ``OMP_WAIT_POLICY=active`` recovered only part of the loss."""
+        result: list[WarmReport] = []
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                result.append(warm_up(self.runner, self.model_id, self.policy, _release, tokens))
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, name="snapkv-warm")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+        return result[0]
 
     @property
     def threads(self) -> int:
