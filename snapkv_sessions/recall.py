@@ -362,11 +362,11 @@ def tail_estimate(logits: torch.Tensor, idx: torch.Tensor, attend: torch.Tensor,
     (``s_i`` its scaled logit) and add ``exp(s_i) v_i``; with ``v_i`` its page's mean, their sum is
     ``exp(logit) * values``. Exact when the logits are and ``page`` is 1."""
     bsz, heads, group, cold = logits.shape
-    left_out = torch.zeros(bsz, heads, cold, dtype=torch.bool, device=logits.device)  # (B, Hkv, C)
-    left_out.scatter_(-1, idx, attend)  # the recalled slots: attended exactly
+    outside = torch.zeros(bsz, heads, cold, dtype=torch.bool, device=logits.device)  # (B, Hkv, C) not in the tail
+    outside.scatter_(-1, idx, attend)  # the recalled slots: attended exactly
     if real is not None:
-        left_out |= ~real  # padding: never attended
-    s = (logits.float() * scaling).masked_fill(left_out[:, :, None], float("-inf"))  # (B, Hkv, G, C)
+        outside |= ~real  # padding: never attended
+    s = (logits.float() * scaling).masked_fill(outside[:, :, None], float("-inf"))  # (B, Hkv, G, C)
     logit = s.logsumexp(dim=-1)  # (B, Hkv, G), -inf when nothing is left out
     weights = (s - logit[..., None]).exp().nan_to_num(0.0)  # (B, Hkv, G, C) summing to 1 (or all 0)
     n_pages = means.shape[2]

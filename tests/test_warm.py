@@ -106,3 +106,48 @@ def test_a_warm_start_out_of_bounds_is_refused(tmp_path):
 def test_serve_refuses_a_negative_warm_start_before_loading_anything():
     out = CliRunner().invoke(main, ["serve", "--model", "no-such-model", "--warm-tokens", "-1"])
     assert out.exit_code == 1 and "--warm-tokens=-1" in out.output
+
+
+def test_in_fresh_thread_returns_raises_and_ends():
+    import threading
+
+    from snapkv_sessions.serve.worker import in_fresh_thread
+
+    ran: list[threading.Thread] = []
+
+    def work() -> int:
+        ran.append(threading.current_thread())
+        return 7
+
+    assert in_fresh_thread(work, "snapkv-test") == 7
+    assert ran[0] is not threading.current_thread() and ran[0].name == "snapkv-test" and not ran[0].is_alive()
+    with pytest.raises(KeyError, match="nope"):
+        in_fresh_thread(lambda: {}["nope"], "snapkv-test")
+
+
+def test_a_fork_boundary_is_copied_on_a_thread_that_ends(tmp_path, monkeypatch):
+    """The boundary's copy of a session's cache (every continued turn takes one) ran on the long-lived worker
+    thread and slowed every later decode step (docs/against-vllm.md): it runs on a thread of its own."""
+    import threading
+
+    from snapkv_sessions.session import Session
+
+    service = _service(tmp_path, 0)
+    where: list[threading.Thread] = []
+    original = Session.snapshot
+
+    def watched(self):
+        where.append(threading.current_thread())
+        return original(self)
+
+    monkeypatch.setattr(Session, "snapshot", watched)
+    try:
+        from types import SimpleNamespace
+
+        session = Session.create_on(service.runner, service.model_id, service.policy, service.store, {})
+        session.chat("one two three four five six seven eight nine ten", max_new_tokens=2)
+        service._keep_boundary(session, SimpleNamespace(prefix_head="head"))
+        assert where and where[0] is not threading.current_thread() and where[0].name == "snapkv-boundary"
+        assert not where[0].is_alive() and service._boundaries["head"][1] is not None  # kept, as before
+    finally:
+        service.close()

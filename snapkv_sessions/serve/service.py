@@ -51,7 +51,7 @@ from ..store import SessionStore, StoreError, StoreUnavailable
 from ..store.hashing import GENESIS
 from . import protocol
 from .warm import WarmReport, warm_up
-from .worker import Job
+from .worker import Job, in_fresh_thread
 
 BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -255,27 +255,9 @@ class Service(Router):
     def warm(self, tokens: int = 1024) -> WarmReport:
         """Serve a throwaway session now so the first request does not pay for first use (:mod:`.warm`).
 
-        It runs on a thread of its own that ends with it, as a request runs on a worker thread: run on the
-        caller's (the server's main thread, which lives on in the event loop), it left every later decode step
-        about 1.6x slower (SmolLM2 bf16: 80-86 ms a token streamed against 45-50 ms; measured in
-        docs/against-vllm.md). Run on a thread that ends, the steps after it are as fast as in a process that
-        never warmed. The mechanism is not isolated: libgomp keeps an OpenMP team per thread that ran parallel
-        kernels while that thread lives, and ``OMP_WAIT_POLICY=active`` recovered only part of the loss."""
-        result: list[WarmReport] = []
-        failed: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                result.append(warm_up(self.runner, self.model_id, self.policy, _release, tokens))
-            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-                failed.append(exc)
-
-        thread = threading.Thread(target=run, name="snapkv-warm")
-        thread.start()
-        thread.join()
-        if failed:
-            raise failed[0]
-        return result[0]
+        It runs on a thread that ends with it (:func:`.worker.in_fresh_thread`): run on the caller's, the server's
+        main thread, which lives on in the event loop, it left every later decode step about 1.6x slower."""
+        return in_fresh_thread(lambda: warm_up(self.runner, self.model_id, self.policy, _release, tokens), "snapkv-warm")
 
     @property
     def threads(self) -> int:
@@ -396,7 +378,7 @@ class Service(Router):
         (:meth:`_fork_at_boundary`). The requests behind cannot be counted in time (they are still being read
         when this turn starts), so every turn continued by its content keeps one: a copy of its hot cache (its
         cold layers are shared), until unused for :data:`BOUNDARY_TTL_S`, at most :data:`BOUNDARIES_KEPT` at once."""
-        snap = session.snapshot() if self.keep_boundaries else None
+        snap = in_fresh_thread(session.snapshot, "snapkv-boundary") if self.keep_boundaries else None
         if snap is None:
             return
         with self._guard:

@@ -16,8 +16,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .. import stats
+
+T = TypeVar("T")
 
 
 class Busy(RuntimeError):
@@ -191,3 +194,29 @@ class Worker:
                 break
         for thread in self.threads:
             thread.join(timeout=wait_s)
+
+
+def in_fresh_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` run on a new thread that ends with it: its result, or its error raised here.
+
+    For tensor work a long-lived thread would otherwise run (the warm start on the server's main thread, a fork
+    boundary's copy of a session's cache on a worker): after a long-lived thread other than the model's had run
+    such work, every later decode step of the model's thread stayed slower, 1.3x to 1.6x on the 2-core machine
+    (docs/against-vllm.md); run on a thread that ends, it leaves the steps as they were. The mechanism is not
+    isolated (the threads' OpenMP teams are the suspect: one lives as long as the thread that started it).
+    """
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
+
