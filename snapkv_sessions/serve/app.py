@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import stats
 from ..errors import ConfigError, SnapKVError
 from ..store import StoreError, StoreUnavailable
+from ..threads import serial_kernels
 from . import protocol
 from .metrics import PrometheusSink
 from .service import Conflict, NotFound, Service, TurnOutput, TurnRequest, at_least, owner_of
@@ -305,7 +306,9 @@ def create_app(service: Service, options: ServeOptions | None = None) -> FastAPI
         # the per-turn, fault and tier-loss records (stats.LogSink): written only where the package logger is
         # configured to show them (serve's --log-format), and dropped before they are built otherwise
         remove_sinks = [stats.add_sink(stats.LogSink()), *([stats.add_sink(metrics)] if options.metrics else [])]
-        worker = Worker(options.max_queue, threads=service.threads)
+        # with a scheduler the model runs on its thread alone; the workers' own tensor work stays serial
+        # (snapkv_sessions.threads: a worker's OpenMP team slowed every decode step of the model's thread)
+        worker = Worker(options.max_queue, threads=service.threads, serial_kernels=service.scheduler is not None)
         try:
             yield
         finally:
@@ -569,4 +572,5 @@ def run_server(app: FastAPI, host: str, port: int, grace_s: float) -> None:
     if not logging.getLogger(stats.PACKAGE_LOGGER).handlers:  # uvicorn's own lines stay at warning
         stats.configure_logging("INFO", "text")
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 15)
+    serial_kernels()  # this thread becomes the event loop's: the model never runs on it
     Draining(config).run()

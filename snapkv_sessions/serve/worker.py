@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .. import stats
+from ..threads import serial_kernels as keep_kernels_serial
 
 T = TypeVar("T")
 
@@ -80,7 +81,8 @@ class Worker:
     waiting jobs. With a scheduler (:mod:`snapkv_sessions.scheduler`) the server runs one thread per decode slot:
     their turns' forwards all go to the scheduler's thread, which batches their decode steps."""
 
-    def __init__(self, max_queue: int, typical_job_s: float = 5.0, threads: int = 1) -> None:
+    def __init__(self, max_queue: int, typical_job_s: float = 5.0, threads: int = 1,
+                 serial_kernels: bool = False) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r}: must be an int >= 1 (a queue of 0 would be unbounded)")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -90,6 +92,7 @@ class Worker:
         self.closing = False
         self.running: set[Job] = set()
         self._gate = threading.Lock()  # closing and enqueueing happen one at a time: no job lands after the end
+        self.serial_kernels = serial_kernels  # the model runs on another thread: keep torch's teams off these
         self.threads = [threading.Thread(target=self._loop, name=f"snapkv-serve-worker-{i}", daemon=True)
                         for i in range(threads)]
         for thread in self.threads:
@@ -115,6 +118,8 @@ class Worker:
             stats.emit(stats.QueueStat(len(self.running), self.jobs.qsize()))
 
     def _loop(self) -> None:
+        if self.serial_kernels:
+            keep_kernels_serial()
         while True:
             job = self.jobs.get()
             if job is None:
