@@ -81,6 +81,37 @@ def test_slots_grow_as_replies_outrun_their_room_and_stay_equal():
 
 
 @pytest.mark.parametrize("static", [False, True])
+def test_slots_are_allocated_as_replies_join_and_stepping_between_joins_stays_equal(static):
+    """A non-static pool allocates rows as replies join, in powers of two up to its size (one reply alone zeroes
+    one slot, not all of them); a static one holds all of them from the first. A reply joining a running batch
+    (rows grown under it) leaves every row's logits as each session's alone."""
+    from snapkv_sessions.batch import SlotPool
+
+    runner = ModelRunner(build_tiny("llama", layers=2))
+    together, alone = _sessions(runner), _sessions(runner)
+    tokens = [s.pending[0] for s in together]
+    for s in together + alone:
+        s.pending = []
+    pool = SlotPool(runner.num_layers, 4, static=static)
+    rows, held = [], []
+    for i, state in enumerate(together):
+        pool.admit(state, 1)
+        rows.append(pool.rows)
+        held.append(pool.nbytes())
+        for _ in range(2):  # the admitted so far step together
+            batch_logits = pool.step(runner, tokens[: i + 1])  # (i + 1, V)
+            single = torch.stack([runner.step(s, t) for s, t in zip(alone[: i + 1], tokens, strict=False)])
+            torch.testing.assert_close(batch_logits, single, rtol=1e-4, atol=1e-5)
+            tokens[: i + 1] = single.argmax(-1).tolist()
+    assert rows == ([4, 4, 4] if static else [1, 2, 4])
+    assert held == ([held[0]] * 3 if static else [held[0], 2 * held[0], 4 * held[0]])  # same width throughout
+    while pool.slots:
+        pool.release(0)
+    for a, b in zip(together, alone, strict=True):
+        assert a.token_ids == b.token_ids and a.cache_lengths() == b.cache_lengths()
+
+
+@pytest.mark.parametrize("static", [False, True])
 def test_an_idle_pool_gives_its_memory_back_and_decodes_the_same_after(static):
     """A long reply widens the slots; once every slot is released a (non-static) pool frees its buffers, and the
     next reply, in a fresh allocation, still gets the logits of a session stepped alone. A static pool keeps its
