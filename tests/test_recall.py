@@ -115,6 +115,21 @@ def test_each_selector_equals_masked_attention_over_what_it_chose(tiny_kind, sel
     assert any(recalled[(at, 0)][0] for at in got)  # something was recalled
 
 
+def step_together_and_alone(runner: ModelRunner, states: list, steps: int = 3) -> None:
+    """Decode ``states`` (each a turn's state, its last token pending) in batched steps and copies of them one by
+    one: every batched row's logits equal its copy's step alone."""
+    alone = [s.clone() for s in states]
+    tokens = [s.pending[0] for s in states]
+    for s in states + alone:
+        s.pending = []
+        s.cache.prefill_done(s)  # a turn's decode: recall is on
+    for _ in range(steps):
+        batched = decode_step(runner, states, tokens)  # (n, V)
+        for i, s in enumerate(alone):
+            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
+        tokens = [int(row.argmax()) for row in batched]
+
+
 def test_batched_slots_recall_their_own_and_equal_each_alone():
     runner = ModelRunner(build_tiny("llama", seed=3))
     short = GenerationConfig(max_new_tokens=4, eos_token_ids=())
@@ -124,17 +139,7 @@ def test_batched_slots_recall_their_own_and_equal_each_alone():
     runner.turn(b, prompt(30, seed=3), HOT, short)
     c = runner.new_state()  # no tier at all, in the same batch
     runner.turn(c, prompt(25, seed=4), HOT, short)
-    states = [a, b, c]
-    alone = [s.clone() for s in states]
-    tokens = [s.pending[0] for s in states]
-    for s in states + alone:
-        s.pending = []
-        s.cache.prefill_done(s)  # a turn's decode: recall is on
-    for _ in range(3):
-        batched = decode_step(runner, states, tokens)  # (3, V)
-        for i, s in enumerate(alone):
-            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
-        tokens = [int(row.argmax()) for row in batched]
+    step_together_and_alone(runner, [a, b, c])
     assert a.cache.decode_done(a)["recalled_per_step"] > 0
 
 
@@ -310,17 +315,7 @@ def test_mass_recall_in_batched_slots_equals_each_alone():
     runner.turn(a, prompt(40), HOT, short)
     b = runner.new_state(tiered=True, recall=RecallConfig.make(budget=3, selector="lowrank", rank=2, reduce="mass"))
     runner.turn(b, prompt(33, seed=3), HOT, short)
-    states = [a, b]
-    alone = [s.clone() for s in states]
-    tokens = [s.pending[0] for s in states]
-    for s in states + alone:
-        s.pending = []
-        s.cache.prefill_done(s)
-    for _ in range(3):
-        batched = decode_step(runner, states, tokens)  # (2, V)
-        for i, s in enumerate(alone):
-            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
-        tokens = [int(row.argmax()) for row in batched]
+    step_together_and_alone(runner, [a, b])
     figures = a.cache.decode_done(a)
     assert figures["recalled_per_step"] > 0
     # the hot keys read for the normalisers count in the selector's bytes: more than the cold keys alone
@@ -438,17 +433,7 @@ def test_tail_recall_in_batched_slots_equals_each_alone():
     runner.turn(a, prompt(40), HOT, short)
     b = runner.new_state(tiered=True, recall=RecallConfig.make(budget=3))  # no tail, in the same batch
     runner.turn(b, prompt(33, seed=3), HOT, short)
-    states = [a, b]
-    alone = [s.clone() for s in states]
-    tokens = [s.pending[0] for s in states]
-    for s in states + alone:
-        s.pending = []
-        s.cache.prefill_done(s)
-    for _ in range(3):
-        batched = decode_step(runner, states, tokens)  # (2, V)
-        for i, s in enumerate(alone):
-            torch.testing.assert_close(batched[i], runner.step(s, tokens[i]), rtol=1e-5, atol=1e-5)
-        tokens = [int(row.argmax()) for row in batched]
+    step_together_and_alone(runner, [a, b])
     figures = a.cache.decode_done(a)
     # the page means count where the selector scores: more than the same recall without a tail
     plain = runner.new_state(tiered=True, recall=RecallConfig.make(budget=4, selector="lowrank", rank=2,
