@@ -28,6 +28,7 @@ from .errors import ConfigError
 from .gpu import fused_gather
 
 if TYPE_CHECKING:
+    from .reach import Before
     from .state import KVState
 
 
@@ -164,6 +165,11 @@ class HotOnly:
 
     def tier_report(self, state: KVState) -> dict | None:
         """The tier's figures for the turn's compression report (None without a tier)."""
+        return None
+
+    def hot_before(self) -> Before | None:
+        """What was hot when the turn began, against which the window's reach into the cold is read
+        (:mod:`snapkv_sessions.reach`); None without a tier: nothing evicted can be told from nothing held."""
         return None
 
 

@@ -24,6 +24,7 @@ from .cache import History, first_slots
 from .config import CompressionConfig
 from .errors import ConfigError
 from .press import history_room, layer_budgets
+from .reach import Reach, cold_reach, earlier_end
 from .report import CompressionReport
 from .scorers import KeepRule, ScoreContext, Scorer, build_scorer, select_layer
 from .state import KVState
@@ -106,11 +107,14 @@ def compress(state: KVState, cfg: CompressionConfig, probe: WindowProbe, layout:
                                     observer)  # (B, Hkv, K)
             if uneven or history.visible(layer) is not None:
                 visible[layer] = first_slots(chosen[layer])  # a repeated slot is a head's padding
+    before = state.cache.hot_before()  # what was hot when the turn began (None without a tier)
+    reach = cold_reach(history, probe, before, chosen) if before is not None else None  # (2, L, Hkv) device
     t1 = time.perf_counter()
     if state.cache.keep(state, chosen, visible):  # a cache that fits every budget is left alone, and costs nothing
         report.select_ms = (t1 - t0) * 1e3
         report.gather_ms = (time.perf_counter() - t1) * 1e3
-    _fill_report(report, state, probe, mass, layout, spread)
+    _fill_report(report, state, probe, mass, layout, spread,
+                 None if reach is None else (reach, earlier_end(probe, before)))
     report.tier = state.cache.tier_report(state)
     state.reports.append(report)
     return report
@@ -128,7 +132,8 @@ def _select(history: History, probe: WindowProbe, scorer: Scorer, rule: KeepRule
 
 
 def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, mass: torch.Tensor | None,
-                 layout: Layout, spread: torch.Tensor | None = None) -> None:
+                 layout: Layout, spread: torch.Tensor | None = None,
+                 reach: tuple[torch.Tensor, int] | None = None) -> None:
     """Per-layer counts for the report, read from the device in one transfer after all layers are done."""
     report.tokens_after = state.cache_lengths()  # slots held, padding included (what the memory costs)
     pinned = state.pinned.to(layout.device)  # (N,)
@@ -140,6 +145,8 @@ def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, 
     parts = [real.flatten().float(), new.flatten().float(), held.float()]
     if spread is not None:
         parts.append(spread.float())
+    if reach is not None:
+        parts.append(reach[0].flatten())
     if mass is not None:
         parts.append(mass.float().reshape(1))
     values = torch.cat(parts).tolist()
@@ -151,6 +158,10 @@ def _fill_report(report: CompressionReport, state: KVState, probe: WindowProbe, 
     if spread is not None:
         at = 2 * n + held.numel()
         report.window_top_mass, report.window_entropy = round(values[at], 4), round(values[at + 1], 4)
+    if reach is not None:
+        at = 2 * n + held.numel() + (0 if spread is None else spread.numel())
+        grid, earlier = reach  # (2, L, Hkv), and where the turn's prefill began
+        report.reach = Reach.of(values[at : at + grid.numel()], grid.shape[1], grid.shape[2], earlier).to_dict()
     report.kv_bytes_after = state.kv_bytes()
 
 

@@ -402,3 +402,21 @@ def decide_turn(assessment: Assessment, policy: Policy, evicted: bool, prior_rep
         if decision == "reprefill" and policy.memory.on_shift == "tier":
             return "tiered", events
     return decision, events
+
+
+ATTENTION_ACTIONS = {"reprefill": "tiered", "warn": "warn", "never": "ignored"}
+
+
+def decide_reach(decision: str, reach: dict | None, policy: Policy) -> tuple[str, list[tuple[str, dict]]]:
+    """A tiered turn's decision once its compression read the window's reach into the cold
+    (:mod:`snapkv_sessions.reach`), when the policy lets the attention signal decide (``drift.signal:
+    attention``): a score above ``drift.attention_threshold`` is a shift the tier serves (``tiered``, or ``warn`` /
+    ``ignored`` per ``drift.action``), else ``kept``. ``decision``: the text signals' (kept otherwise, and when
+    there is no reading: a first turn, nothing cold). Returns the decision and the event that says why."""
+    if reach is None or policy.drift.signal != "attention" or not policy.tiered or policy.memory.on_shift != "tier":
+        return decision, []
+    threshold = policy.drift.attention_threshold
+    shift = reach["score"] > threshold
+    out = ATTENTION_ACTIONS[policy.drift.action] if shift else "kept"
+    return out, [("attention_shift", {"score": reach["score"], "recalled": reach["recalled"],
+                                      "threshold": threshold, "text_decision": decision, "decision": out})]

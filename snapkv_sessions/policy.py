@@ -102,6 +102,13 @@ class DriftPolicy(_Strict):
     # None (unstated: policies stored before it existed) is off, and new sessions state it on (Policy.stated)
     follow_ups: bool | None = None
     action: Literal["reprefill", "warn", "never"] = "reprefill"
+    # which signal decides a tiered turn: ``text`` (the embedding drift, new subjects and the evidence check, read
+    # before the prefill) or ``attention`` (what the window reached for that was cold, read after it:
+    # snapkv_sessions.reach; the text signals are recorded beside it). Without the tier, or with
+    # memory.on_shift: reprefill (a re-prefill is decided before the prefill), text decides either way.
+    signal: Literal["text", "attention"] = "text"
+    # on Reach.score (the cold share of the window's mass): bench detector --tier's calibration, SmolLM2 at 30%
+    attention_threshold: float = Field(default=0.025, ge=0.0, le=1.0)
 
 
 class RecoveryPolicy(_Strict):
@@ -255,6 +262,8 @@ _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("memory", "recall", "share"): "head",
     ("memory", "recall", "tail"): "drop",
     ("memory", "recall", "tail_page"): 32,
+    ("drift", "signal"): "text",
+    ("drift", "attention_threshold"): 0.025,
 }
 
 

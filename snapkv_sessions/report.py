@@ -30,6 +30,9 @@ class CompressionReport:
     tier: with the tiered memory, the turn's tier figures (:class:`~snapkv_sessions.tier.TierStats`: cold bytes
         streamed, the largest transient union buffer, slots recalled from cold to hot) and the hot and cold
         bytes after the compression; None without it.
+    reach: with the tiered memory, what the window reached for that was cold before the turn
+        (:class:`~snapkv_sessions.reach.Reach`: the shift score, the recalled share of the new hot set, both per
+        layer and KV head); None without a tier or on a first turn.
     """
 
     context_tokens: int
@@ -48,6 +51,7 @@ class CompressionReport:
     kv_bytes_after: int = 0
     history_attention: float | None = None
     tier: dict | None = None
+    reach: dict | None = None
     # the window's concentration (stats.CompressionStat): measured only while a stats sink listens, and left out
     # of to_dict, so a turn record is the same with or without metrics
     window_top_mass: float | None = None

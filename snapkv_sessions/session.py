@@ -21,7 +21,7 @@ import numpy as np
 from . import forks, stats
 from .admission import Admission, AdmissionError
 from .chat import Message, RenderDiverged
-from .drift import Assessment, decide_turn
+from .drift import Assessment, decide_reach, decide_turn
 from .errors import ConfigError
 from .forks import Snapshot
 from .generation import GenerationConfig, TextStream
@@ -232,6 +232,10 @@ class Session(SessionSync):
             events.append(("render_diverged", {"cached_tokens": self.state.next_position}))
             plan = self.transcript.plan(msgs, self._context(user_seq, True))
         run = self._execute(plan, msgs, user_seq, gen=gen)
+        if not plan.reprefill:  # the window's reach into the cold, read after the prefill
+            report = run.result.report
+            decision, reached = decide_reach(decision, report.reach if report else None, self.policy)
+            events += reached
         t_prefill = time.perf_counter()
         if plan.reprefill:
             events.append(("reprefill", {"drift_score": assessment.score, "missing_terms": assessment.missing_terms,

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .cache import CompactCache, CompactLayer, History
+from .reach import Before
 from .recall import Recall, RecallConfig, RecallStats
 from .rotary import Rotary
 
@@ -423,6 +424,11 @@ class TieredCache(CompactCache):
         if layer >= len(before):  # the first turn: nothing was held
             return 0
         return _recalled_count(before[layer], self.cold.history_at_start, chosen, shape, real)
+
+    def hot_before(self) -> Before | None:
+        """The hot positions of every layer when the turn began (:meth:`begin_turn`); None on a first turn."""
+        cold = self.cold
+        return Before(cold.hot_at_start, cold.history_at_start) if cold.hot_at_start else None
 
     def tier_report(self, state) -> dict:
         return {**self.cold.stats.to_dict(), "hot_bytes": state.kv_bytes(), "cold_bytes": self.cold.nbytes}

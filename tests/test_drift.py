@@ -164,10 +164,11 @@ def test_detector_bench_reports_every_shape():
     from snapkv_sessions.bench import detector
 
     out = detector.run(2, calibration=2)
-    assert set(out["cells"]) == {"people/message", "people/pasted", "items/message", "items/pasted"}
-    for cell in out["cells"].values():
+    assert set(out["cells"]) == {f"{k}/{s}" for k in detector.KINDS for s in detector.SHAPES}
+    for name, cell in out["cells"].items():
         s = cell["at_default"]
-        assert s["tp"] + s["fn"] == 2 * 4 and s["fp"] + s["tn"] == 2 * 5  # 4 shifts and 5 follow-ups a scenario
+        labels = [t.label for seed in range(2) for t in detector.scenario(seed, *name.split("/")).turns]
+        assert s["tp"] + s["fn"] == labels.count("shift") and s["fp"] + s["tn"] == labels.count("follow")
     # the question, not the pasted document, is what the detector reads: both shapes score alike
     assert out["cells"]["people/pasted"]["at_default"] == out["cells"]["people/message"]["at_default"]
 

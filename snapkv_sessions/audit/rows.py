@@ -40,6 +40,10 @@ def turn_rows(store: SessionStore, session_id: str) -> list[dict]:
             "retention_min": (t["retention"] or {}).get("min_share"),
             "retention_max": (t["retention"] or {}).get("max_share"),
             "drift_score": t["drift_score"], "drift_decision": t["drift_decision"],
+            # the attention signal beside the text one (snapkv_sessions.reach): the share of the window's mass on
+            # what was cold before the turn, and of the new hot set that came back from cold (None without a tier)
+            "attention_shift": (comp.get("reach") or {}).get("score"),
+            "recalled_share": (comp.get("reach") or {}).get("recalled"),
             "reprefill": reason,
             "compression_ms": timings.get("compression_ms"), "prefill_ms": timings.get("prefill_ms"),
             "decode_ms": timings.get("decode_ms"),
@@ -64,6 +68,9 @@ def turn_detail(store: SessionStore, session_id: str, turn: int) -> dict:
     out = {"turn": turn, "status": rec["status"], "drift_score": rec["drift_score"],
            "drift_decision": rec["drift_decision"], "messages": messages, "layers": [],
            "events": [e.to_dict() for e in store.events(session_id) if e.turn == turn]}
+    reach = (rec["compression"] or {}).get("reach")
+    if reach is not None:  # the attention signal: its score and recalled share, per layer and KV head
+        out["reach"] = reach
     recall = ((rec["compression"] or {}).get("tier") or {}).get("recall")
     if recall is not None:  # decode-time recall from the tier: the turn's figures (absent when decode read hot alone)
         out["recall"] = recall

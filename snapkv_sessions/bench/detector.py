@@ -21,7 +21,15 @@ from .shift import Scenario, Turn, make_scenario
 ADJECTIVES = ["steel", "blue", "copper", "round", "small", "heavy", "silver", "red", "oak", "glass", "green", "brass"]
 NOUNS = ["bracket", "widget", "hinge", "valve", "lamp", "spring", "pulley", "gasket", "clamp", "socket", "rivet", "cable"]
 SHAPES = ("message", "pasted")
-KINDS = ("people", "items")
+KINDS = ("people", "items", "titles", "codes", "two-docs")
+# titles: reports named by three lowercase words; codes: projects named by one lowercase word. Both ask every
+# question in one template, the wording of a shift and of a follow-up differing only in the name or the field.
+TITLE_WORDS = (["annual", "coastal", "quiet", "northern", "early", "open", "lower", "final"],
+               ["harbor", "river", "market", "forest", "bridge", "garden", "valley", "station"],
+               ["survey", "review", "plan", "audit", "study", "report", "budget", "proposal"])
+CODES = ["falcon", "maple", "comet", "otter", "cedar", "quartz", "willow", "ember", "heron", "basalt", "juniper",
+         "lynx", "orchid", "pebble", "raven", "saffron", "tundra", "violet", "walnut", "zephyr", "birch", "coral",
+         "dune", "fjord", "glacier", "harvest", "iris", "jasper", "kestrel", "lagoon", "meadow", "nectar"]
 
 
 def make_catalog(seed: int, records: int = 40) -> Scenario:
@@ -49,9 +57,59 @@ def make_catalog(seed: int, records: int = 40) -> Scenario:
     return Scenario(document, turns)
 
 
+def make_templated(seed: int, kind: str, records: int = 32) -> Scenario:
+    """Records named by lowercase titles (``titles``: three words) or code words (``codes``: one), every question
+    asked in one template; follow-ups ask another field of the same record, by name or by pronoun."""
+    rng = random.Random(seed)
+    if kind == "titles":
+        names = rng.sample([f"{a} {b} {c}" for a in TITLE_WORDS[0] for b in TITLE_WORDS[1] for c in TITLE_WORDS[2]],
+                           records)
+    else:
+        names = rng.sample(CODES, records)
+    rows = [{"name": n, "owner": f"{rng.choice('BCDFGHKLMNPRST')}{rng.choice('aeiou')}{rng.choice('lnrst')}o",
+             "due": f"{rng.randrange(1, 28)} {rng.choice(['March', 'May', 'July', 'October'])}",
+             "pages": str(rng.randrange(3, 300)), "room": f"R{rng.randrange(100, 999)}"} for n in names]
+    lines = [f"{r['name']}: owner {r['owner']}, due {r['due']}, pages {r['pages']}, room {r['room']}." for r in rows]
+    document = ("REPORTS" if kind == "titles" else "PROJECTS") + "\n\n" + "\n".join(lines)
+    a, b, c, d = rng.sample(rows, 4)
+
+    def ask(field: str, row: dict) -> str:
+        return f"What is the {field} of {row['name']}?"
+
+    turns = [
+        Turn(ask("due date", a), [a["due"]], "first"),
+        Turn(ask("page count", a), [a["pages"]], "follow"),  # the template again, the same record
+        Turn(ask("due date", b), [b["due"]], "shift"),  # the template again, another record
+        Turn("And who owns it?", [b["owner"]], "follow"),
+        Turn(ask("room", c), [c["room"]], "shift"),
+        Turn(ask("owner", c), [c["owner"]], "follow"),
+        Turn(ask("page count", d), [d["pages"]], "shift"),
+        Turn("Which room is that one in?", [d["room"]], "follow"),
+    ]
+    return Scenario(document, turns)
+
+
+def make_two_documents(seed: int) -> Scenario:
+    """A staff directory and a parts catalogue in one conversation: the shifts move to the other document."""
+    people, parts = make_scenario(seed, records=24), make_catalog(seed, records=24)
+    p, q = people.turns, parts.turns
+    turns = [p[0], p[3], replace(q[0], label="shift"), q[1], replace(p[2], label="shift"), p[3],
+             replace(q[2], label="shift"), q[3], replace(p[8], label="shift"), p[9]]
+    return Scenario(people.document + "\n\n" + parts.document, turns)
+
+
 def scenario(seed: int, kind: str, shape: str) -> Scenario:
-    """One labelled scenario of ``kind`` (people, items) and ``shape`` (message, pasted)."""
-    sc = make_scenario(seed) if kind == "people" else make_catalog(seed)
+    """One labelled scenario of ``kind`` (:data:`KINDS`) and ``shape`` (message, pasted)."""
+    if kind == "people":
+        sc = make_scenario(seed)
+    elif kind == "items":
+        sc = make_catalog(seed)
+    elif kind in ("titles", "codes"):
+        sc = make_templated(seed, kind)
+    elif kind == "two-docs":
+        sc = make_two_documents(seed)
+    else:
+        raise ValueError(f"kind {kind!r} is not one of {KINDS}")
     if shape == "pasted":  # the document arrives inside the first user message, before its question
         first = replace(sc.turns[0], question=f"Here is the document:\n\n{sc.document}\n\n{sc.turns[0].question}")
         sc = Scenario(sc.document, [first, *sc.turns[1:]])
@@ -139,4 +197,153 @@ def table(result: dict) -> str:
             lines.append(f"{name:<16} {t!s:>16} {s['precision']!s:>9} {s['recall']!s:>7} {s['tp']:>4} {s['fp']:>4} "
                          f"{s['fn']:>4}")
     lines.append(f"calibration: {result['calibration']}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- with the tier
+
+
+def tiered_turns(runner, sc: Scenario, shape: str, budget_ratio: float, max_new_tokens: int) -> list[dict]:
+    """One scenario as a tiered session on ``runner``: per turn its label, the attention signal's reading
+    (:mod:`snapkv_sessions.reach`: score and recalled share) and the slots recalled from cold, as recorded."""
+    from ..policy import Policy
+    from ..session import Session
+    from ..store import SessionStore
+
+    policy = Policy.from_dict({"compression": {"budget_ratio": budget_ratio},
+                               "drift": {"action": "never", "embedder": "none"}}).stated()
+    session = Session.create(runner, policy=policy, store=SessionStore("sqlite://"))
+    if shape == "message":
+        session.add_document(sc.document, name="document")
+    out = []
+    for turn in sc.turns:
+        reply = session.chat(turn.question, max_new_tokens=max_new_tokens)
+        reach = reply.report.reach if reply.report is not None else None
+        out.append({"label": turn.label, "attention": reach and reach["score"],
+                    "recalled": reach and reach["recalled"],
+                    "recalled_slots": reply.report.tier["recalled"] if reply.report and reply.report.tier else None})
+    return out
+
+
+def _confusion(pairs: list[tuple[bool, str]]) -> dict:
+    tp = sum(f and lab == "shift" for f, lab in pairs)
+    fp = sum(f and lab == "follow" for f, lab in pairs)
+    fn = sum(not f and lab == "shift" for f, lab in pairs)
+    tn = sum(not f and lab == "follow" for f, lab in pairs)
+    return {"precision": round(tp / (tp + fp), 3) if tp + fp else None,
+            "recall": round(tp / (tp + fn), 3) if tp + fn else None, "tp": tp, "fp": fp, "fn": fn, "tn": tn}
+
+
+def attention_score(rows: list[dict], threshold: float) -> dict:
+    """Precision and recall of ``attention > threshold`` over the labelled turns of ``rows``."""
+    return _confusion([(r["attention"] > threshold, r["label"]) for r in rows
+                       if r["label"] != "first" and r["attention"] is not None])
+
+
+def calibrate_attention(rows: list[dict], margin: float = 0.0) -> dict:
+    """The threshold with the best F1 over ``rows`` (every kind and shape of the calibration seeds)."""
+    values = sorted({r["attention"] for r in rows if r["label"] != "first" and r["attention"] is not None})
+    best = (-1.0, 0.0)
+    for lo, hi in zip(values, values[1:] + [values[-1] + 1e-3], strict=True):
+        t = round((lo + hi) / 2, 4)
+        s = attention_score(rows, t)
+        f1 = 2 * s["tp"] / (2 * s["tp"] + s["fp"] + s["fn"]) if s["tp"] else 0.0
+        if f1 > best[0]:
+            best = (f1, t)
+    return {"best_f1": round(best[0], 3), "threshold": round(best[1] + margin, 4)}
+
+
+def run_tiered(model: str, scenarios: int, calibration: int, budget_ratio: float = 0.3, max_new_tokens: int = 12,
+               results: str | None = None, kinds: tuple[str, ...] = KINDS, log=None) -> dict:
+    """The attention signal beside the text detector, per kind and shape, on tiered sessions of ``model``.
+
+    Seeds 1000+ (``calibration`` per cell) choose the attention threshold; seeds 0.. (``scenarios`` per cell)
+    give the figures. ``results``: a JSONL file, one line per scenario, appended; a rerun resumes."""
+    import json
+
+    from ..models import runner_for
+    from ..policy import Policy
+    from .ruler import load_rows
+
+    runner, model_id = runner_for(model)
+    done = {(r["kind"], r["shape"], r["seed"]): r for r in load_rows(results)
+            if r.get("model") == model_id and r.get("budget_ratio") == budget_ratio
+            and r.get("max_new_tokens") == max_new_tokens}
+    emb = make_embedder("minilm")
+    seeds = list(range(scenarios)) + list(range(1000, 1000 + calibration))
+    for kind in kinds:
+        for shape in SHAPES:
+            for seed in seeds:
+                if (kind, shape, seed) in done:
+                    continue
+                turns = tiered_turns(runner, scenario(seed, kind, shape), shape, budget_ratio, max_new_tokens)
+                row = {"model": model_id, "budget_ratio": budget_ratio, "max_new_tokens": max_new_tokens,
+                       "kind": kind, "shape": shape, "seed": seed, "turns": turns}
+                done[(kind, shape, seed)] = row
+                if results:
+                    with open(results, "a") as fh:
+                        fh.write(json.dumps(row) + "\n")
+                if log:
+                    log(f"{kind}/{shape} seed {seed}: {[t['attention'] for t in turns]}")
+    calib_rows = [t for (k, _s, seed), r in done.items() if seed >= 1000 and seed < 1000 + calibration
+                  and k in kinds for t in r["turns"]]
+    calib = calibrate_attention(calib_rows) if calib_rows else {"best_f1": None, "threshold": None}
+    default = Policy().drift.attention_threshold
+    text_default = Policy().drift.threshold
+    cells = {}
+    for kind in kinds:
+        for shape in SHAPES:
+            held = [done[(kind, shape, seed)] for seed in range(scenarios)]
+            rows = [t for r in held for t in r["turns"]]
+            text = _embedded(range(scenarios), kind, shape, emb)
+            cells[f"{kind}/{shape}"] = {
+                "attention_at_default": attention_score(rows, default),
+                "attention_at_calibrated": attention_score(rows, calib["threshold"]) if calib["threshold"] is not None
+                else None,
+                "text_at_default": score(text, text_default),
+                "attention_by_label": _by_label(rows),
+                "auc": {"attention": _auc(rows, "attention"), "recalled": _auc(rows, "recalled")}}
+    return {"benchmark": "detector", "tier": True, "model": model_id, "budget_ratio": budget_ratio,
+            "scenarios_per_cell": scenarios, "calibration_per_cell": calibration,
+            "default_attention_threshold": default, "default_text_threshold": text_default,
+            "calibration": calib, "cells": cells}
+
+
+def _auc(rows: list[dict], key: str) -> float | None:
+    """How often a shift's ``key`` exceeds a follow-up's (ties count half): 0.5 is chance, 1.0 separates."""
+    shifts = [r[key] for r in rows if r["label"] == "shift" and r[key] is not None]
+    follows = [r[key] for r in rows if r["label"] == "follow" and r[key] is not None]
+    if not shifts or not follows:
+        return None
+    wins = sum((a > b) + 0.5 * (a == b) for a in shifts for b in follows)
+    return round(wins / (len(shifts) * len(follows)), 3)
+
+
+def _by_label(rows: list[dict]) -> dict:
+    out = {}
+    for label in ("follow", "shift"):
+        vals = sorted(r["attention"] for r in rows if r["label"] == label and r["attention"] is not None)
+        if vals:
+            out[label] = {"min": vals[0], "median": vals[len(vals) // 2], "max": vals[-1]}
+    return out
+
+
+def table_tiered(result: dict) -> str:
+    head = f"{'kind/shape':<18} {'signal':<26} {'precision':>9} {'recall':>7} {'tp':>4} {'fp':>4} {'fn':>4}"
+    lines = [f"model {result['model']}, budget {result['budget_ratio']}, held-out seeds 0-"
+             f"{result['scenarios_per_cell'] - 1}", head, "-" * len(head)]
+    names = {"attention_at_default": f"attention > {result['default_attention_threshold']}",
+             "attention_at_calibrated": f"attention > {result['calibration']['threshold']} (cal.)",
+             "text_at_default": f"text > {result['default_text_threshold']}"}
+    for name, cell in result["cells"].items():
+        for label, shown in names.items():
+            s = cell[label]
+            if s is None:
+                continue
+            lines.append(f"{name:<18} {shown:<26} {s['precision']!s:>9} {s['recall']!s:>7} {s['tp']:>4} {s['fp']:>4} "
+                         f"{s['fn']:>4}")
+    lines.append(f"calibration (seeds 1000+): {result['calibration']}")
+    lines.append("AUC, shift against follow-up (0.5: chance): " + ", ".join(
+        f"{name} {cell['auc']['attention']}/{cell['auc']['recalled']}" for name, cell in result["cells"].items())
+        + " (attention / recalled share)")
     return "\n".join(lines)

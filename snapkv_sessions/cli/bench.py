@@ -95,17 +95,31 @@ def bench_tier(model, lengths, ratio, window, new_tokens, repeats, dtype, out, a
 @click.option("--scenarios", default=40, show_default=True, help="Scenarios per kind and shape.")
 @click.option("--threshold", default=None, type=float, help="Also score at this drift threshold.")
 @click.option("--calibration", default=40, show_default=True, help="Held-out scenarios per cell for the threshold.")
+@click.option("--tier", "model", default=None,
+              help="With the tier: run tiered sessions of this model and score the attention signal beside the text "
+                   "detector (without it: the text detector alone, model-free).")
+@click.option("--budget-ratio", default=0.3, show_default=True, type=click.FloatRange(0.01, 1.0))
+@click.option("--max-new-tokens", default=12, show_default=True, type=click.IntRange(1, 512))
+@click.option("--results", default=None, help="With --tier: JSONL file, one line per scenario, appended; a rerun "
+                                              "resumes.")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_detector(scenarios, threshold, calibration, out, as_json) -> None:
+def bench_detector(scenarios, threshold, calibration, model, budget_ratio, max_new_tokens, results, out,
+                   as_json) -> None:
     """Drift detector precision and recall by shape (document as a message or pasted) and record kind."""
     from ..bench import detector
 
     quiet_loaders()
-    with progress.task("bench detector"):
-        result = detector.run(scenarios, threshold, calibration)
-    _emit(result, out, as_json, detector.table)
+    if model is None:
+        with progress.task("bench detector"):
+            result = detector.run(scenarios, threshold, calibration)
+        _emit(result, out, as_json, detector.table)
+        return
+    with progress.task("bench detector --tier") as shown:
+        result = detector.run_tiered(model, scenarios, calibration, budget_ratio, max_new_tokens, results,
+                                     log=shown.log)
+    _emit(result, out, as_json, detector.table_tiered)
 
 
 @bench.command("quality")

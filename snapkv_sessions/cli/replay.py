@@ -46,7 +46,9 @@ def _replay_table(rows: list[dict]) -> str:
             "layer min..max", "drift", "decision", "comp ms", "prefill ms", "decode ms", "KV bytes"]
     tiered = any(r.get("tier") for r in rows)
     recalling = any((r.get("tier") or {}).get("recall") for r in rows)
-    if tiered:  # hot/cold bytes after the turn, cold bytes streamed, slots recalled from cold to hot
+    if tiered:  # the attention signal beside the text drift; hot/cold bytes after the turn, cold bytes streamed,
+        # slots recalled from cold to hot
+        cols = cols[:11] + ["attention"] + cols[11:]
         cols = cols[:-1] + ["hot/cold KV", "streamed", "recalled"] + (["decode recall"] if recalling else [])
     for col in cols:
         table.add_column(col, justify="right" if col not in ("decision",) else "left")
@@ -58,7 +60,9 @@ def _replay_table(rows: list[dict]) -> str:
         decision = r["drift_decision"] if r["status"] == "done" else r["status"]
         table.add_row(str(r["turn"]), _fmt(r["context_tokens"]), kept,
                       *[("-" if k not in roles else f"{roles[k]:.0%}") for k in cols[3:9]], ret,
-                      _fmt(r["drift_score"], ".3f"), decision or "-", _fmt(r["compression_ms"], ".1f"),
+                      _fmt(r["drift_score"], ".3f"),
+                      *([_fmt(r.get("attention_shift"), ".3f")] if tiered else []), decision or "-",
+                      _fmt(r["compression_ms"], ".1f"),
                       _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), *_kv_cells(r, kv, tiered, recalling))
     console = Console(width=200, record=True, color_system=None, highlight=False, soft_wrap=True)
     with console.capture() as cap:
@@ -95,8 +99,12 @@ def _detail_text(detail: dict) -> str:
     lines = [f"turn {detail['turn']} ({detail['status']}): drift {_fmt(detail['drift_score'], '.3f')}, "
              f"decision {detail['drift_decision']}"]
     for e in detail["events"]:
-        if e["kind"] in ("drift", "reprefill", "error", "abandoned", "recovered"):
+        if e["kind"] in ("drift", "attention_shift", "reprefill", "error", "abandoned", "recovered"):
             lines.append(f"  event {e['kind']}: {json.dumps(e['payload'], sort_keys=True)}")
+    if detail.get("reach"):
+        reach = detail["reach"]
+        lines.append(f"  attention shift {reach['score']:.3f} (window mass on what was cold, median over the upper "
+                     f"layers' KV heads), recalled share of the new hot set {reach['recalled']:.3f}")
     if not detail["layers"]:
         lines.append("  no compression this turn (the cache fit its budget)")
         return "\n".join(lines)
