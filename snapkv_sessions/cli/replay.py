@@ -64,7 +64,7 @@ def _replay_table(rows: list[dict]) -> str:
                       *([_fmt(r.get("attention_shift"), ".3f")] if tiered else []), decision or "-",
                       _fmt(r["compression_ms"], ".1f"),
                       _fmt(r["prefill_ms"], ".0f"), _fmt(r["decode_ms"], ".0f"), *_kv_cells(r, kv, tiered, recalling))
-    console = Console(width=200, record=True, color_system=None, highlight=False, soft_wrap=True)
+    console = Console(width=240, record=True, color_system=None, highlight=False, soft_wrap=True)  # every column
     with console.capture() as cap:
         console.print(table)
     return cap.get().rstrip()
