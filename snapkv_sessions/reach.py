@@ -75,8 +75,9 @@ def earlier_end(probe: WindowProbe, before: Before) -> int:
 
 def _was_hot(hot: torch.Tensor, history: int, old_end: int, device: torch.device) -> torch.Tensor:
     """(1, Hkv, old_end) bool: True at the earlier-history positions each head held hot (padding -1 left out)."""
+    hot = hot.to(device)  # (1, Hkv, T0)
     flags = torch.zeros(*hot.shape[:2], history + 1, dtype=torch.bool, device=device)  # (1, Hkv, N0 + 1)
-    flags.scatter_(-1, hot.to(device).masked_fill(hot.to(device) < 0, history), True)  # padding -> the spare slot
+    flags.scatter_(-1, hot.masked_fill(hot < 0, history), True)  # padding -> the spare slot
     return flags[..., :old_end]  # (1, Hkv, old_end)
 
 

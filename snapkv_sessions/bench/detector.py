@@ -16,7 +16,7 @@ import random
 from dataclasses import replace
 
 from ..drift import WorkingSet, key_terms, make_embedder, new_subject, question_text, refers_back, shift_score
-from .shift import Scenario, Turn, make_scenario
+from .shift import Scenario, Turn, auc, make_scenario
 
 ADJECTIVES = ["steel", "blue", "copper", "round", "small", "heavy", "silver", "red", "oak", "glass", "green", "brass"]
 NOUNS = ["bracket", "widget", "hinge", "valve", "lamp", "spring", "pulley", "gasket", "clamp", "socket", "rivet", "cable"]
@@ -141,15 +141,23 @@ def _embedded(seeds: range, kind: str, shape: str, emb) -> list[tuple[Scenario, 
 
 
 def score(cases: list[tuple[Scenario, object]], threshold: float, follow_ups: bool = True) -> dict:
-    tp = fp = fn = tn = 0
-    for sc, vectors in cases:
-        for turn, flag in zip(sc.turns, flags(sc, vectors, threshold, follow_ups), strict=True):
-            tp += flag and turn.label == "shift"
-            fp += flag and turn.label == "follow"
-            fn += not flag and turn.label == "shift"
-            tn += not flag and turn.label == "follow"
+    return _confusion([(flag, turn.label) for sc, vectors in cases
+                       for turn, flag in zip(sc.turns, flags(sc, vectors, threshold, follow_ups), strict=True)])
+
+
+def _confusion(pairs: list[tuple[bool, str]]) -> dict:
+    """Precision and recall of (flagged, label) pairs: a flagged shift is a hit, a flagged follow-up a false alarm
+    (first turns count as neither)."""
+    tp = sum(f and lab == "shift" for f, lab in pairs)
+    fp = sum(f and lab == "follow" for f, lab in pairs)
+    fn = sum(not f and lab == "shift" for f, lab in pairs)
+    tn = sum(not f and lab == "follow" for f, lab in pairs)
     return {"precision": round(tp / (tp + fp), 3) if tp + fp else None,
             "recall": round(tp / (tp + fn), 3) if tp + fn else None, "tp": tp, "fp": fp, "fn": fn, "tn": tn}
+
+
+def _f1(s: dict) -> float:
+    return 2 * s["tp"] / (2 * s["tp"] + s["fp"] + s["fn"]) if s["tp"] else 0.0
 
 
 def calibrate(seeds: range, emb, margin: float = 0.05) -> dict:
@@ -159,7 +167,7 @@ def calibrate(seeds: range, emb, margin: float = 0.05) -> dict:
     sweep = []
     for step in range(101):
         s = score(cases, step / 100)
-        sweep.append((step / 100, 2 * s["tp"] / (2 * s["tp"] + s["fp"] + s["fn"]) if s["tp"] else 0.0))
+        sweep.append((step / 100, _f1(s)))
     best = max(f1 for _, f1 in sweep)
     best_range = [t for t, f1 in sweep if f1 == best]
     lo = best_range[0]
@@ -225,32 +233,22 @@ def tiered_turns(runner, sc: Scenario, shape: str, budget_ratio: float, max_new_
     return out
 
 
-def _confusion(pairs: list[tuple[bool, str]]) -> dict:
-    tp = sum(f and lab == "shift" for f, lab in pairs)
-    fp = sum(f and lab == "follow" for f, lab in pairs)
-    fn = sum(not f and lab == "shift" for f, lab in pairs)
-    tn = sum(not f and lab == "follow" for f, lab in pairs)
-    return {"precision": round(tp / (tp + fp), 3) if tp + fp else None,
-            "recall": round(tp / (tp + fn), 3) if tp + fn else None, "tp": tp, "fp": fp, "fn": fn, "tn": tn}
-
-
 def attention_score(rows: list[dict], threshold: float) -> dict:
     """Precision and recall of ``attention > threshold`` over the labelled turns of ``rows``."""
     return _confusion([(r["attention"] > threshold, r["label"]) for r in rows
                        if r["label"] != "first" and r["attention"] is not None])
 
 
-def calibrate_attention(rows: list[dict], margin: float = 0.0) -> dict:
+def calibrate_attention(rows: list[dict]) -> dict:
     """The threshold with the best F1 over ``rows`` (every kind and shape of the calibration seeds)."""
     values = sorted({r["attention"] for r in rows if r["label"] != "first" and r["attention"] is not None})
     best = (-1.0, 0.0)
     for lo, hi in zip(values, values[1:] + [values[-1] + 1e-3], strict=True):
         t = round((lo + hi) / 2, 4)
-        s = attention_score(rows, t)
-        f1 = 2 * s["tp"] / (2 * s["tp"] + s["fp"] + s["fn"]) if s["tp"] else 0.0
+        f1 = _f1(attention_score(rows, t))
         if f1 > best[0]:
             best = (f1, t)
-    return {"best_f1": round(best[0], 3), "threshold": round(best[1] + margin, 4)}
+    return {"best_f1": round(best[0], 3), "threshold": best[1]}
 
 
 def run_tiered(model: str, scenarios: int, calibration: int, budget_ratio: float = 0.3, max_new_tokens: int = 12,
@@ -310,13 +308,9 @@ def run_tiered(model: str, scenarios: int, calibration: int, budget_ratio: float
 
 
 def _auc(rows: list[dict], key: str) -> float | None:
-    """How often a shift's ``key`` exceeds a follow-up's (ties count half): 0.5 is chance, 1.0 separates."""
-    shifts = [r[key] for r in rows if r["label"] == "shift" and r[key] is not None]
-    follows = [r[key] for r in rows if r["label"] == "follow" and r[key] is not None]
-    if not shifts or not follows:
-        return None
-    wins = sum((a > b) + 0.5 * (a == b) for a in shifts for b in follows)
-    return round(wins / (len(shifts) * len(follows)), 3)
+    """:func:`~snapkv_sessions.bench.shift.auc` of ``key`` over the labelled turns: 0.5 is chance, 1.0 separates."""
+    labelled = [r for r in rows if r["label"] in ("follow", "shift") and r[key] is not None]
+    return auc([r[key] for r in labelled], [r["label"] == "shift" for r in labelled])
 
 
 def _by_label(rows: list[dict]) -> dict:
