@@ -115,6 +115,18 @@ class HotOnly:
         recalls from a tier (:class:`snapkv_sessions.recall.Recall`); None here: decode reads the hot slots."""
         return None
 
+    def retake(self, state: KVState, logits: torch.Tensor) -> bool:
+        """Whether the decode step that gave ``logits`` (V,) must be taken again, attending to all it holds (a
+        tier's recall escalating on a near-tie, ``memory.recall.escalate``); False here: decode read it all.
+        When True the caller rewinds the step's writes (:meth:`rewind`, or a slot pool's own) and feeds the
+        same token again."""
+        return False
+
+    def rewind(self, state: KVState) -> None:
+        """Forget the slots the last forward wrote past what ``state`` accounts for (a step to be taken again)."""
+        for layer, lay in enumerate(self.layers):  # type: ignore[attr-defined]
+            lay.truncate(int(state.positions[layer].shape[-1]))
+
     def observe_recall(self, observer) -> None:
         """Have ``observer(layer, positions)`` see what each decode step of this turn recalls (nothing here)."""
 

@@ -272,6 +272,11 @@ class RecallConfig(_Settings):
         attention they would take is not handed to the rest). Needs a selector that scores slots.
     tail_page:
         Cold slots per page whose values the tail's estimate averages (1: each slot's own value).
+    escalate:
+        A margin in logits, or ``None`` (never). A decode step whose two most likely next tokens are within this
+        margin of each other under recall is taken again with every cold slot attended (full attention for that
+        step): where the reply would turn on a near-tie, the selection's error cannot flip it. ``0`` never
+        retakes a step either (no margin is below 0).
     """
 
     budget: int | None = None
@@ -284,6 +289,7 @@ class RecallConfig(_Settings):
     share: Literal["head", "layer"] = "head"
     tail: Literal["drop", "pages"] = "drop"
     tail_page: int = 32
+    escalate: float | None = None
 
     @field_validator("selector")
     @classmethod
@@ -315,6 +321,8 @@ class RecallConfig(_Settings):
             raise ValueError(f"tail={self.tail} needs a selector that scores slots; {self.selector!r} ranks pages")
         if self.tail_page < 1:
             raise ValueError(f"tail_page={self.tail_page} must be >= 1")
+        if self.escalate is not None and not 0.0 <= self.escalate < math.inf:  # NaN too
+            raise ValueError(f"escalate={self.escalate} must be a finite margin >= 0 in logits, or null")
         return self
 
     def slots(self, context: int) -> int:

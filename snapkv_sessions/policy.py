@@ -264,6 +264,7 @@ _LATER_FIELDS: dict[tuple[str, ...], object] = {
     ("memory", "recall", "tail_page"): 32,
     ("drift", "signal"): "text",
     ("drift", "attention_threshold"): 0.025,
+    ("memory", "recall", "escalate"): None,
 }
 
 

@@ -279,7 +279,9 @@ class RecallStats:
     max_step: the most recalled in one step (all layers and heads); repeats: recalled slots that the same layer
     and head also recalled the step before (what a device cache of the last step's recalls would have hit);
     read_*: bytes read per step, summed over steps: the hot cache, the selector's reads of the tier (its
-    summary, or the cold keys it scores), and the recalled keys and values.
+    summary, or the cold keys it scores), and the recalled keys and values; escalated: steps taken again with
+    every cold slot (``escalate``), read_escalated: what those retakes read (the hot cache, every cold key and
+    value), summed over them.
     """
 
     steps: int = 0
@@ -289,6 +291,8 @@ class RecallStats:
     read_hot: int = 0
     read_select: int = 0
     read_recalled: int = 0
+    escalated: int = 0
+    read_escalated: int = 0
     distinct: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled this turn
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled last step
 
@@ -395,13 +399,36 @@ class Recall:
         self.context = 0  # true positions at this step (set by the cache before each step)
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
+        # "select": the step recalls what the selector chooses; "armed": retake() asked for the step again;
+        # "whole": this forward is that retake, attending to every cold slot
+        self._mode = "select"
 
     def begin_step(self, context: int, hot_bytes: int) -> None:
+        self.context = context
+        if self._mode == "armed":  # the same step again: counted once, its reads apart
+            self._mode = "whole"
+            self.stats.escalated += 1
+            self.stats.read_escalated += hot_bytes
+            return
+        self._mode = "select"
         self.end()  # the previous step's total counts toward the most recalled in one step
         self._step_total = 0
-        self.context = context
         self.stats.steps += 1
         self.stats.read_hot += hot_bytes
+
+    def retake(self, logits: torch.Tensor) -> bool:
+        """Whether the step that gave ``logits`` (V,) must be taken again with every cold slot: its two best
+        logits are within ``escalate`` of each other (a near-tie the selection's error could flip). Arms the
+        retake: the next :meth:`begin_step` is the same step, whose :meth:`extra` recalls the whole tier. A retake
+        is never retaken; the caller rewinds the step's writes to the hot cache first."""
+        margin = self.cfg.escalate
+        if margin is None or self._mode == "whole" or logits.shape[-1] < 2:
+            return False
+        top = logits.float().topk(2).values  # (2,)
+        if float(top[0] - top[1]) >= margin:
+            return False
+        self._mode = "armed"
+        return True
 
     def end(self) -> None:
         self.stats.max_step = max(self.stats.max_step, self._step_total)
@@ -413,7 +440,12 @@ class Recall:
         held = sum(self.selector.summary_bytes(part.keys) + (0 if self.tail is None else self.tail.nbytes(part.values))
                    for part in self.cold.layers if part is not None)
         tail = {} if self.tail is None else {"tail_page": self.tail.page}
-        return {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector, **tail}
+        out = {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector, **tail}
+        if self.cfg.escalate is not None:  # stated only where a policy escalates: earlier records stay as they were
+            stats = self.stats
+            out["escalated"] = stats.escalated
+            out["read_bytes_per_step"]["escalated"] = stats.read_escalated // max(stats.steps, 1)
+        return out
 
     def extra(self, layer: int, query: torch.Tensor, hot: HotKeys | None = None) -> Recalled | None:
         """What ``layer`` recalls this step (:class:`Recalled`); None when the layer has nothing cold, or the budget
@@ -425,6 +457,8 @@ class Recall:
         part = self.cold.layers[layer]
         if part is None:
             return None
+        if self._mode == "whole":
+            return self._whole(layer, part, query)
         keys, values = part.keys, part.values  # (B, Hkv, C, D), on the host; the model's device on a CPU
         k = min(self.cfg.slots(self.context), keys.shape[2])
         if k <= 0 and self.tail is None:
@@ -464,6 +498,20 @@ class Recall:
         if self.observer is not None:
             self.observer(layer, positions.gather(-1, idx).masked_fill(~attend, -1))  # (B, Hkv, K)
         return Recalled(rec_k, rec_v, attend[:, :, None], tail_values, tail_logit)
+
+    def _whole(self, layer: int, part, query: torch.Tensor) -> Recalled:
+        """A retaken step (:meth:`retake`): every real cold slot, attended exactly (full attention for this step).
+        Its reads count apart (``read_escalated``), not as the selector's recalls."""
+        keys = part.keys.to(query.device, query.dtype)  # (B, Hkv, C, D)
+        values = part.values.to(query.device, query.dtype)
+        bsz, heads, cold, _ = keys.shape
+        attend = (torch.ones(bsz, heads, cold, dtype=torch.bool, device=query.device) if part.real is None
+                  else part.real.to(query.device))  # (B, Hkv, C) padding never attended
+        self.stats.read_escalated += (part.keys.numel() * part.keys.element_size()
+                                      + part.values.numel() * part.values.element_size())
+        if self.observer is not None:
+            self.observer(layer, part.positions.to(query.device).masked_fill(~attend, -1))  # (B, Hkv, C)
+        return Recalled(keys, values, attend[:, :, None])
 
     def _account(self, layer: int, part, idx: torch.Tensor, attend: torch.Tensor, keys: torch.Tensor, k: int) -> None:
         stats = self.stats

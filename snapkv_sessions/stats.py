@@ -123,6 +123,8 @@ class TurnStat:
         cold keys, and the recalled keys and values); 0 without recall
     summary_bytes: bytes of the recall selector's summary of the cold tier (what stays on a device beside the hot
         cache); 0 without recall
+    recall_steps, recall_escalated: decode steps that recalled, and those of them taken again with every cold slot
+        on a near-tie (``memory.recall.escalate``); 0 without recall
     """
 
     session_id: str
@@ -148,6 +150,8 @@ class TurnStat:
     recall_repeat_rate: float | None = None
     recall_bytes_per_step: int = 0
     summary_bytes: int = 0
+    recall_steps: int = 0
+    recall_escalated: int = 0
 
     @property
     def total_s(self) -> float:

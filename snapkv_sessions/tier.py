@@ -382,6 +382,10 @@ class TieredCache(CompactCache):
         rec.begin_step(state.next_position + fed + 1, state.kv_bytes())
         return rec
 
+    def retake(self, state, logits: torch.Tensor) -> bool:
+        rec = self._recall
+        return rec is not None and rec.retake(logits)
+
     def decode_done(self, state) -> dict | None:
         rec, self._recall = self._recall, None
         if rec is None or not rec.stats.steps:

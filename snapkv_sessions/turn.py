@@ -128,8 +128,9 @@ def emit_turn(session_id: str, turn: int, model: str, decision: str, reason: str
         pinned_per_role=tuple((r, n, kept) for r, (n, kept) in figures.pinned_per_role.items()) if figures else (),
         kept_jaccard=figures.kept_jaccard if figures else None,
         recall_repeat_rate=recall.get("repeat_rate"),
-        recall_bytes_per_step=int(reads.get("select", 0) + reads.get("recalled", 0)),
-        summary_bytes=int(recall.get("summary_bytes", 0))))
+        recall_bytes_per_step=int(reads.get("select", 0) + reads.get("recalled", 0) + reads.get("escalated", 0)),
+        summary_bytes=int(recall.get("summary_bytes", 0)), recall_steps=int(recall.get("steps", 0)),
+        recall_escalated=int(recall.get("escalated", 0))))
     if report is not None:
         stats.emit(stats.CompressionStat.from_report(report))
     if tier.get("streamed_bytes"):

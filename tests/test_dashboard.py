@@ -36,7 +36,8 @@ def _every_stat() -> list[stats.Stat]:
                           decoded_tokens=4, context_tokens=9, hot_tokens=(8, 8), prefill_s=0.5, decode_s=0.2,
                           compression_s=0.05, recalled_slots=2, hot_bytes=1 << 20, cold_bytes=1 << 18, replay=False,
                           kept_per_role=(("system", 1.0), ("user", 0.4)), pinned_per_role=(("system", 12, 1.0),),
-                          kept_jaccard=0.8, recall_repeat_rate=0.5, recall_bytes_per_step=4096, summary_bytes=1024)
+                          kept_jaccard=0.8, recall_repeat_rate=0.5, recall_bytes_per_step=4096, summary_bytes=1024,
+                          recall_steps=10, recall_escalated=2)
     return [
         stats.RequestStat(status=200, code="ok", stopped=None, stream=True, finish_reason="stop", queue_s=0.01,
                           ttft_s=0.6, decode_s=0.3, e2e_s=1.0, prompt_tokens=3, completion_tokens=4),
@@ -81,7 +82,7 @@ def test_every_query_reads_metrics_and_labels_the_server_exports():
     dashboard = json.loads(DASHBOARD.read_text())
     exported = _exported()
     queries = _queries(dashboard)
-    assert len(queries) == 58  # 57 panel targets and the model variable
+    assert len(queries) == 59  # 58 panel targets and the model variable
     used: set[str] = set()
     for where, expr in queries:
         names = set(METRIC.findall(expr))
@@ -106,7 +107,8 @@ def test_every_query_reads_metrics_and_labels_the_server_exports():
             "snapkv:kept_jaccard_bucket", "snapkv:window_top_mass_bucket", "snapkv:window_entropy_bucket",
             "snapkv:turn_hot_share_bucket", "snapkv:turn_device_bytes_bucket", "snapkv:tier_pool_bytes",
             "snapkv:tier_pool_cap_bytes", "snapkv:tier_pool_tiers", "snapkv:recall_repeat_rate_bucket",
-            "snapkv:recall_bytes_per_step_bucket"} <= used
+            "snapkv:recall_bytes_per_step_bucket", "snapkv:recall_escalated_steps_total",
+            "snapkv:recall_steps_total"} <= used
 
 
 def test_the_dashboard_imports_with_a_prometheus_input_and_a_clean_grid():

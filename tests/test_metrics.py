@@ -143,7 +143,8 @@ def test_compression_safety_signals_equal_the_turn_records(tmp_path, batch):
     from snapkv_sessions.tierpool import POOL
 
     policy = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"},
-              "memory": {"cold": True, "recall": {"budget": 2, "selector": "exact"}}}
+              # every recalling step escalates (taken again with every cold slot): the counters must say so
+              "memory": {"cold": True, "recall": {"budget": 2, "selector": "exact", "escalate": 1e9}}}
     _app, client, service = tiny_app(tmp_path, policy=policy, batch=batch)
     words = "the special magic number is hidden within following text of many words".split()
     with client:
@@ -187,6 +188,9 @@ def test_compression_safety_signals_equal_the_turn_records(tmp_path, batch):
     assert total(samples, "snapkv:turn_hot_share_count") == len(turns)
     recalling = [t["compression"]["tier"]["recall"] for t in compressed if t["compression"]["tier"].get("recall")]
     assert recalling and total(samples, "snapkv:recall_repeat_rate_count") == len(recalling)
+    steps = sum(r["steps"] for r in recalling)
+    assert total(samples, "snapkv:recall_steps_total") == steps > 0
+    assert total(samples, "snapkv:recall_escalated_steps_total") == sum(r["escalated"] for r in recalling) == steps
     assert total(samples, "snapkv:turn_device_bytes_sum") == sum(
         t["compression"]["tier"]["hot_bytes"] + (t["compression"]["tier"].get("recall") or {}).get("summary_bytes", 0)
         for t in compressed)

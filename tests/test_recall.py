@@ -4,6 +4,8 @@ equal each session alone; the policy keys; a stored session through replay --ver
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import build_tiny
@@ -96,23 +98,30 @@ def test_each_selector_equals_masked_attention_over_what_it_chose(tiny_kind, sel
         got[at] = logits
     report = state.cache.decode_done(state)
     assert report["steps"] == 6 and report["recalled_per_step"] > 0
+    assert_steps_equal_masked_attention(runner, model, state, got, hot, recalled, len(ids))
+    assert any(recalled[(at, 0)][0] for at in got)  # something was recalled
+
+
+def assert_steps_equal_masked_attention(runner, model, state, got: dict, hot: list, recalled: dict,
+                                        prompt_len: int) -> None:
+    """Each decode step's logits ``got[at]`` equal full eager attention whose row ``at`` sees, per layer and KV head,
+    exactly: the hot set ``hot[layer][h]``, what the step recalled ``recalled[(at, layer)][h]`` and the turn's
+    tokens from ``prompt_len`` on (the decoded ones)."""
     total = state.next_position
-    masks = []
     heads = runner.num_kv_heads
+    masks = []
     for layer in range(runner.num_layers):
         mask = torch.ones(total, total, dtype=torch.bool).tril().expand(heads, total, total).clone()  # (Hkv, T, T)
         for at in got:
             for h in range(heads):
-                row = torch.zeros(total, dtype=torch.bool)
-                allowed = hot[layer][h] | recalled[(at, layer)][h] | set(range(len(ids), at + 1))
-                row[sorted(allowed)] = True
+                row = torch.zeros(total, dtype=torch.bool)  # (T,)
+                row[sorted(hot[layer][h] | recalled[(at, layer)][h] | set(range(prompt_len, at + 1)))] = True
                 mask[h, at] = row
         masks.append(mask)
     runner.detach()
     ref = full_logits_masked(model, state.token_ids, masks)  # (T, V)
     for at, logits in got.items():
         torch.testing.assert_close(logits, ref[at], rtol=1e-4, atol=1e-4)
-    assert any(recalled[(at, 0)][0] for at in got)  # something was recalled
 
 
 def step_together_and_alone(runner: ModelRunner, states: list, steps: int = 3) -> None:
@@ -454,3 +463,157 @@ def test_tail_options_are_validated_and_keep_stored_hashes():
         with pytest.raises(PolicyError) as err:
             Policy.from_dict({"memory": {"recall": bad}})
         assert err.value.param == field, (bad, err.value)
+
+
+# ------------------------------------------------------------------ escalation: a near-tie taken again with every slot
+
+
+ALWAYS = 1e9  # every step's two best logits are within this margin: every step is taken again
+
+
+@pytest.mark.parametrize("select", [{"selector": "exact"}, {"selector": "lowrank", "rank": 3, "reduce": "mass",
+                                                              "tail": "pages", "tail_page": 3}],
+                         ids=_name)
+def test_escalating_every_step_equals_the_full_cache(tiny_kind, select):
+    """A retaken step attends to every cold slot: with every step retaken, a recall of 1 slot decodes what the
+    full cache does (tokens and logits), and the retakes are counted."""
+    runner = ModelRunner(build_tiny(tiny_kind, seed=3))
+    full = runner.new_state()
+    esc = runner.new_state(tiered=True, recall=RecallConfig.make(budget=1, escalate=ALWAYS, **select))
+    assert turns(runner, esc, HOT) == turns(runner, full, CompressionConfig.make(budget=10_000, window=4))
+    figures = esc.reports[-1].tier["recall"]
+    assert figures["escalated"] == figures["steps"] > 0
+    # the retakes read the whole tier: more per step than the hot cache and the selection together
+    reads = figures["read_bytes_per_step"]
+    assert reads["escalated"] > reads["hot"] + reads["select"] + reads["recalled"]
+    for state, cfg in ((esc, HOT), (full, None)):
+        runner.run(state, *_plan(runner, state, prompt(6, seed=9), cfg))
+    logits = [[runner.step(s, t) for t in (5, 7, 11)] for s in (esc, full)]
+    for a, b in zip(*logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # and without the retakes the same recall does not (the test is not vacuous)
+    once = runner.new_state(tiered=True, recall=RecallConfig.make(budget=1, **select))
+    assert turns(runner, once, HOT) != turns(runner, runner.new_state(), CompressionConfig.make(budget=10_000, window=4))
+
+
+def test_escalate_zero_never_retakes_and_equals_no_escalation():
+    runner = ModelRunner(build_tiny("qwen2", seed=3))
+    zero = runner.new_state(tiered=True, recall=RecallConfig.make(budget=2, escalate=0.0))
+    plain = runner.new_state(tiered=True, recall=RecallConfig.make(budget=2))
+    assert turns(runner, zero, HOT) == turns(runner, plain, HOT)
+    assert zero.reports[-1].tier["recall"]["escalated"] == 0
+    assert "escalated" not in plain.reports[-1].tier["recall"]  # records without escalation keep their fields
+
+
+def test_a_step_is_retaken_exactly_when_its_margin_is_under_the_threshold():
+    """Steps whose two best logits (under the selector's recall) are closer than ``escalate`` are taken again
+    with every cold slot, the others are not; each step's logits equal full eager attention whose row sees the
+    hot set, the turn's decoded tokens and what the step finally attended to (all the cold slots if retaken)."""
+    model = build_tiny("llama", seed=4)
+    runner = ModelRunner(model)
+
+    def decode(escalate):
+        state = runner.new_state(tiered=True, recall=RecallConfig.make(budget=2, escalate=escalate))
+        logits, probe = runner.prefill(state, prompt(48, seed=5), window=4)
+        runner.compress(state, HOT, probe)
+        state.cache.prefill_done(state)
+        rec = state.cache.current_recall
+        attended: dict[tuple[int, int], list[set[int]]] = {}  # the last forward's recalls per (position, layer)
+        rec.observer = lambda layer, pos: attended.__setitem__(
+            (state.next_position, layer), [{p for p in row if p >= 0} for row in pos[0].tolist()])
+        margins, retaken = [], []
+        asked = rec.retake
+
+        def watch(step_logits):
+            top = step_logits.float().topk(2).values
+            margins.append(float(top[0] - top[1]))
+            retaken.append(asked(step_logits))
+            return retaken[-1]
+
+        rec.retake = watch
+        got = {}
+        hot = [[{p for p in row if p >= 0} for row in k[0].tolist()] for k in state.held()]
+        for _ in range(8):
+            at = state.next_position
+            logits = runner.step(state, int(logits.argmax()))
+            got[at] = logits
+        return state, got, margins, retaken, attended, hot
+
+    _, _, margins, _, _, _ = decode(None)
+    threshold = sorted(margins)[len(margins) // 2]  # about half the steps fall under it
+    state, got, margins2, retaken, attended, hot = decode(threshold)
+    assert retaken == [m < threshold for m in margins2] and any(retaken) and not all(retaken)
+    assert state.cache.decode_done(state)["escalated"] == sum(retaken)
+    cold = {layer: [set(range(48)) - hot[layer][h] for h in range(runner.num_kv_heads)]
+            for layer in range(runner.num_layers)}
+    for (at, layer), seen in attended.items():
+        step = list(got).index(at)
+        assert (seen == cold[layer]) == retaken[step], (at, layer)  # a retake attended to all the cold slots
+    assert_steps_equal_masked_attention(runner, model, state, got, hot, attended, 48)
+
+
+def test_escalating_slots_in_a_batch_equal_each_alone():
+    """Two slots that retake every step around one that never does (the retake is a sub-batch of rows 0 and 2):
+    every row equals its session stepped alone."""
+    runner = ModelRunner(build_tiny("qwen2", seed=3))
+    short = GenerationConfig(max_new_tokens=4, eos_token_ids=())
+    a = runner.new_state(tiered=True, recall=RecallConfig.make(budget=1, escalate=ALWAYS))
+    runner.turn(a, prompt(40), HOT, short)
+    b = runner.new_state(tiered=True, recall=RecallConfig.make(budget=3, selector="lowrank", rank=2, reduce="mass"))
+    runner.turn(b, prompt(33, seed=3), HOT, short)
+    c = runner.new_state(tiered=True, recall=RecallConfig.make(budget=2, reduce="mass", escalate=ALWAYS))
+    runner.turn(c, prompt(36, seed=4), HOT, short)
+    step_together_and_alone(runner, [a, b, c])
+    assert a.cache.decode_done(a)["escalated"] == 3 and c.cache.decode_done(c)["escalated"] == 3
+    assert "escalated" not in b.cache.decode_done(b)
+
+
+def test_escalate_is_validated_and_keeps_stored_hashes():
+    before = Policy.from_dict({"memory": {"recall": {"ratio": 0.1}}})
+    same = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "escalate": None}}})
+    assert before.sha256 == same.sha256 and '"escalate"' not in before.canonical_json()
+    esc = Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "escalate": 1.0}}})
+    assert esc.sha256 != before.sha256 and esc.memory.recall.escalate == 1.0
+    for bad in (-0.5, float("nan"), float("inf"), "wide"):
+        with pytest.raises(PolicyError) as err:
+            Policy.from_dict({"memory": {"recall": {"ratio": 0.1, "escalate": bad}}})
+        assert err.value.param == "memory.recall.escalate", (bad, err.value)
+
+
+@pytest.mark.slow
+def test_a_stored_session_that_escalates_verifies_and_shows_its_retakes(smollm2, tmp_path):
+    """SmolLM2: a session whose every step is retaken answers as the full cache; one retaking only its near-ties
+    records how many, replay shows them, and --verify re-executes both identically (the margin is recomputed
+    from the same logits, so the same steps are retaken)."""
+    from click.testing import CliRunner
+
+    from snapkv_sessions import Session, SessionStore
+    from snapkv_sessions.audit import verify
+    from snapkv_sessions.cli import main
+
+    store = SessionStore(f"sqlite:///{tmp_path / 's.db'}")
+    questions = ("Name three colours.", "Which of them is the warmest?", "Say the first one again.")
+    ran = {}
+    for name, memory, budget in (("always", {"cold": True, "recall": {"budget": 1, "escalate": ALWAYS}}, 40),
+                                 ("near", {"cold": True, "recall": {"ratio": 0.05, "escalate": 2.0}}, 40),
+                                 ("full", {"cold": False}, 100_000)):
+        policy = {"compression": {"budget": budget, "window": 8}, "memory": memory}
+        session = Session.create(smollm2, policy=policy, store=store, system="You are brief.")
+        ran[name] = ([session.chat(q, max_new_tokens=12).token_ids for q in questions], session.id)
+    assert ran["always"][0] == ran["full"][0]
+    for name in ("always", "near"):
+        recs = store.turns(ran[name][1], status="done")
+        figures = [r.compression["tier"]["recall"] for r in recs if r.compression and r.compression.get("tier")
+                   and "recall" in r.compression["tier"]]
+        assert figures
+        if name == "always":
+            assert all(f["escalated"] == f["steps"] > 0 for f in figures)
+        else:
+            assert all(0 <= f["escalated"] <= f["steps"] for f in figures)
+        assert verify(store, ran[name][1], smollm2).ok
+    db = ["--db", f"sqlite:///{tmp_path / 's.db'}"]
+    table = CliRunner().invoke(main, ["replay", ran["always"][1], *db])
+    assert table.exit_code == 0, table.output
+    assert re.search(r" esc (\d+)/\1 read ", " ".join(table.output.split())), table.output  # every step retaken
+    detail = CliRunner().invoke(main, ["replay", ran["always"][1], "--turn", str(recs[-1].turn), *db])
+    assert detail.exit_code == 0 and "taken again with every cold slot" in detail.output, detail.output

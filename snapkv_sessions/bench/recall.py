@@ -37,19 +37,29 @@ OPTIONS = {"mass": {"reduce": "mass"}, "layer": {"share": "layer"}, "tail": {"ta
 
 
 def recall_spec(spec: str) -> dict:
-    """A selector spec of the grid, ``NAME[+mass][+layer][+tail[N]]`` (``exact``, ``lowrank+mass``,
-    ``exact+mass+layer``, ``lowrank+mass+tail16``) -> its ``memory.recall`` keys (not counting the budget).
+    """A selector spec of the grid, ``NAME[+mass][+layer][+tail[N]][+escM]`` (``exact``, ``lowrank+mass``,
+    ``exact+mass+layer``, ``lowrank+mass+tail16``, ``lowrank+mass+esc1.0``: steps whose two best logits are
+    within M are taken again with every cold slot) -> its ``memory.recall`` keys (not counting the budget).
     Unknown words raise ValueError naming them."""
     name, *words = spec.split("+")
     out: dict = {"selector": name}
     for word in words:
         if word.startswith("tail") and word[4:].isdigit():
             out.update(tail="pages", tail_page=int(word[4:]))
+        elif word.startswith("esc") and _number(word[3:]):
+            out.update(escalate=float(word[3:]))
         elif word in OPTIONS:
             out.update(OPTIONS[word])
         else:
-            raise ValueError(f"unknown option {word!r} (known: {sorted(OPTIONS)}, tailN)")
+            raise ValueError(f"unknown option {word!r} (known: {sorted(OPTIONS)}, tailN, escM)")
     return out
+
+
+def _number(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
 
 
 def conditions(hots: list[float], recalls: list[float], selectors: tuple[str, ...] = SELECTORS) -> dict[str, dict]:
@@ -112,10 +122,13 @@ def run_quality(runner, seeds: list[int], hots: list[float], recalls: list[float
 def _turn(t: dict) -> dict:
     tier = t.get("tier") or {}
     recall = tier.get("recall") or {}
-    return {"correct": t["correct"], "tokens": t["tokens"], "context": t["context"],
-            "hot_bytes": tier.get("hot_bytes"), "cold_bytes": tier.get("cold_bytes"),
-            "summary_bytes": recall.get("summary_bytes", 0), "recalled_per_step": recall.get("recalled_per_step"),
-            "repeat_rate": recall.get("repeat_rate"), "read_per_step": recall.get("read_bytes_per_step")}
+    out = {"correct": t["correct"], "tokens": t["tokens"], "context": t["context"],
+           "hot_bytes": tier.get("hot_bytes"), "cold_bytes": tier.get("cold_bytes"),
+           "summary_bytes": recall.get("summary_bytes", 0), "recalled_per_step": recall.get("recalled_per_step"),
+           "repeat_rate": recall.get("repeat_rate"), "read_per_step": recall.get("read_bytes_per_step")}
+    if "escalated" in recall:  # only rows of escalating conditions carry it
+        out.update(steps=recall["steps"], escalated=recall["escalated"])
+    return out
 
 
 def summarise(rows: list[dict], names: list[str]) -> dict:
@@ -134,7 +147,10 @@ def summarise(rows: list[dict], names: list[str]) -> dict:
                   for t in turns if t["hot_bytes"] and t["cold_bytes"] is not None]
         recalled = [t["recalled_per_step"] for t in turns if t["recalled_per_step"] is not None]
         repeats = [t["repeat_rate"] for t in turns if t["repeat_rate"] is not None]
-        out[name] = {"sessions": len(mine), "turns": len(turns),
+        steps = sum(t.get("steps", 0) for t in turns)
+        escalated = {"escalated_share": round(sum(t["escalated"] for t in turns) / steps, 3)} if any(
+            "escalated" in t for t in turns) and steps else {}
+        out[name] = {**escalated, "sessions": len(mine), "turns": len(turns),
                      "accuracy": round(sum(t["correct"] for t in turns) / len(turns), 3),
                      "equal_to_full": round(sum(same) / len(same), 3) if same else None,
                      "device_bytes_share": round(statistics.mean(shares), 3) if shares else 1.0,

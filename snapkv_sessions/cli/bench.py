@@ -418,11 +418,15 @@ def _float_list(name: str, text: str) -> list[float]:
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--sessions", "n_sessions", default=2, show_default=True,
               help="Scripted bench shift sessions (10 turns each).")
+@click.option("--first-seed", default=500, show_default=True,
+              help="The first session's seed (sessions take consecutive seeds): later seeds are held out.")
 @click.option("--hots", default="0.1,0.2", show_default=True, help="Hot budget ratios.")
 @click.option("--recalls", default="0.05,0.1", show_default=True, help="Recall budgets, as shares of the context.")
 @click.option("--selectors", default=None, show_default="every built-in one",
               help="Recall selectors, separated by commas; a selector may add '+mass' (rank slots by the group's "
-                   "attention mass) and '+layer' (share the budget over a layer's heads): exact+mass+layer.")
+                   "attention mass), '+layer' (share the budget over a layer's heads), '+tailN' (estimate the "
+                   "rest from pages of N) and '+escM' (retake a step whose two best logits are within M with "
+                   "every cold slot): exact+mass+layer, lowrank+mass+tail32+esc1.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--results", default=None,
               help="JSONL file: one line per session and condition, appended; a rerun resumes.")
@@ -442,8 +446,8 @@ def _float_list(name: str, text: str) -> list[float]:
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps, selection,
-                 pages, misses, dtype, out, as_json) -> None:
+def bench_recall(model, n_sessions, first_seed, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps,
+                 selection, pages, misses, dtype, out, as_json) -> None:
     """Decode-time recall from the tier: replies equal to the full cache's, turn by turn, and TPOT side by side."""
     from ..bench import quality, recall
     from ..config import RecallConfig
@@ -463,7 +467,8 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
     lengths = _int_list("cost-lengths", cost_lengths) if cost_lengths.strip() else []
     runner = quality.load_runner(model, dtype)
     with progress.task(f"bench recall: {n_sessions} session(s)") as shown:
-        summary = recall.run_quality(runner, list(range(500, 500 + n_sessions)), hot_list, recall_list,
+        seeds = list(range(first_seed, first_seed + n_sessions))
+        summary = recall.run_quality(runner, seeds, hot_list, recall_list,
                                      max_new_tokens, results, selectors=chosen, log=shown.log) if n_sessions else {}
         cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=shown.log,
                                selectors=chosen) if lengths else {}
@@ -481,7 +486,7 @@ def bench_recall(model, n_sessions, hots, recalls, selectors, max_new_tokens, re
                     extra = {} if size is None else {"page": size}
                     specs[f"{name}{'' if size is None else size}"] = RecallConfig.make(ratio=ratio, selector=name,
                                                                                       **extra)
-            result["selection"] = recall.run_selection(runner, list(range(500, 500 + max(n_sessions, 1))),
+            result["selection"] = recall.run_selection(runner, seeds or [first_seed],
                                                        max(hot_list), ratio, max_new_tokens, specs, log=shown.log)
 
     def table(res: dict) -> str:

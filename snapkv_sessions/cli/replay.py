@@ -33,8 +33,10 @@ def _recall_cell(rec: dict | None) -> str:
         return "-"
     read = rec["read_bytes_per_step"]
     repeat = "-" if rec["repeat_rate"] is None else f"{rec['repeat_rate']:.0%}"
-    return (f"{rec['recalled_per_step']:g}/{rec['recalled_max_step']} d{rec['distinct_recalled']} hit {repeat} "
-            f"read {read['hot']:,}+{read['select']:,}+{read['recalled']:,}")
+    escalated = f" esc {rec['escalated']}/{rec['steps']}" if "escalated" in rec else ""  # only where it escalates
+    retakes = f"+{read['escalated']:,}" if "escalated" in read else ""
+    return (f"{rec['recalled_per_step']:g}/{rec['recalled_max_step']} d{rec['distinct_recalled']} hit {repeat}"
+            f"{escalated} read {read['hot']:,}+{read['select']:,}+{read['recalled']:,}{retakes}")
 
 
 def _replay_table(rows: list[dict]) -> str:
@@ -119,6 +121,9 @@ def _detail_text(detail: dict) -> str:
         lines.append(f"  decode recalled from the tier per step: {recall['recalled_per_step']:g} slots (max "
                      f"{recall['recalled_max_step']}), {recall['distinct_recalled']} distinct, "
                      f"{recall['selector']} selector; --find TEXT names the tokens")
+        if "escalated" in recall:
+            lines.append(f"  decode steps taken again with every cold slot (a near-tie): {recall['escalated']} of "
+                         f"{recall['steps']}")
     recalled = [len(h["recalled"]) for layer in detail["layers"] for h in layer if "recalled" in h]
     if recalled:
         lines.append(f"  recalled from the cold tier to hot: {min(recalled)}..{max(recalled)} positions per layer "

@@ -137,6 +137,11 @@ class PrometheusSink:
         self.recall_bytes = Histogram("snapkv:recall_bytes_per_step", "Per recalling live turn, bytes a decode step "
                                       "read besides the hot cache (selector reads, recalled keys and values).", m,
                                       registry=r, buckets=BYTES_BUCKETS)
+        self.recall_steps = Counter("snapkv:recall_steps", "Decode steps of live turns that recalled from the tier.",
+                                    m, registry=r)
+        self.recall_escalated = Counter("snapkv:recall_escalated_steps", "Recalling decode steps taken again with "
+                                        "every cold slot, their two best logits within memory.recall.escalate.", m,
+                                        registry=r)
 
         # ---- compressions (CompressionStat)
         self.compressions = Counter("snapkv:compressions", "SnapKV compressions.", m, registry=r)
@@ -243,6 +248,8 @@ class PrometheusSink:
         if s.recall_repeat_rate is not None:
             self.recall_repeat.labels(m).observe(s.recall_repeat_rate)
             self.recall_bytes.labels(m).observe(s.recall_bytes_per_step)
+        self.recall_steps.labels(m).inc(s.recall_steps)
+        self.recall_escalated.labels(m).inc(s.recall_escalated)
 
     def _compression(self, s: stats.CompressionStat) -> None:
         m = self.model_name
