@@ -92,9 +92,19 @@ class SlotPool:
         if not self.free:
             raise RuntimeError(f"all {self.size} slots are taken")
         layers = state.cache.layers
-        lengths = [int(lay.keys.shape[-2]) for lay in layers]
-        self._fit(layers[0].keys, max(lengths) + min(max(extra, 1), _ROUND), len(self.slots) + 1)
+        longest = max(int(lay.keys.shape[-2]) for lay in layers)
+        self._fit(layers[0].keys, longest + min(max(extra, 1), _ROUND), len(self.slots) + 1)
         index = len(self.slots)
+        padded = any(getattr(lay, "visible", None) is not None for lay in layers)
+        self.slots.append(Slot(state, self._fill(index, state), padded=padded))
+        return index
+
+    def _fill(self, index: int, state: KVState) -> list[int]:
+        """Write ``state``'s cache into slot ``index``, widening the pool if it must (a retake's prefill may have
+        grown the cache past the slot); returns the slot's per-layer lengths."""
+        layers = state.cache.layers
+        lengths = [int(lay.keys.shape[-2]) for lay in layers]
+        self._fit(layers[0].keys, max(lengths) + 1, max(index + 1, len(self.slots)))  # a retake's prefill may widen
         masks = [getattr(lay, "visible", None) for lay in layers]  # (1, Hkv, n) or None per layer
         if self.visible is None and any(m is not None for m in masks):
             self.visible = [torch.ones(k.shape[:3], dtype=torch.bool, device=k.device) for k in self.keys]
@@ -106,22 +116,12 @@ class SlotPool:
                 self.visible[layer][index] = True  # (Hkv, T_cap)
                 if masks[layer] is not None:
                     self.visible[layer][index, :, :n] = masks[layer][0]
-        self.slots.append(Slot(state, lengths, padded=any(m is not None for m in masks)))
-        return index
+        return lengths
 
     @torch.inference_mode()
     def release(self, index: int) -> KVState:
         """Copy slot ``index`` back into its session's own cache, account for the tokens fed, free the slot."""
-        slot = self.slots[index]
-        state = slot.state
-        for layer, lay in enumerate(state.cache.layers):
-            n = slot.lengths[layer]
-            had = slot.padded and getattr(lay, "visible", None) is not None
-            visible = self.visible[layer][index : index + 1, :, :n].clone() if had else None  # (1, Hkv, n)
-            set_layer(lay, self.keys[layer][index : index + 1, :, :n].clone(),  # (1, Hkv, n, D)
-                      self.values[layer][index : index + 1, :, :n].clone(), visible)
-        if slot.fed:
-            state.append(slot.fed, [False] * len(slot.fed), state.positions[0].shape[1], state.positions[0].device)
+        state = self._copy_back(index)
         self.drop(index)
         return state
 
@@ -188,73 +188,86 @@ class SlotPool:
         longest = max(max(slot.lengths) for slot in self.slots)
         if longest >= self.width:  # a slot is full: every slot widens, keeping what it holds
             self._fit(self.keys[0], longest + 1, n)
-        logits = self._forward(runner, list(range(n)), tokens)  # (n, V)
-        # a slot whose recall escalates on a near-tie takes its step again, alone with the others that do: its
-        # writes sit past its length and are overwritten, and the other rows are not recomputed
-        again = [i for i, slot in enumerate(self.slots) if slot.state.cache.retake(slot.state, logits[i])]
-        if again:
-            logits[again] = self._forward(runner, again, [tokens[i] for i in again])  # (len(again), V)
-        for slot, token in zip(self.slots, tokens, strict=True):
+        device = self.keys[0].device
+        input_ids = torch.tensor([[int(t)] for t in tokens], device=device)  # (n, 1)
+        positions = [s.state.next_position + len(s.fed) for s in self.slots]
+        position_ids = torch.tensor(positions, device=device)[:, None]  # (n, 1) true positions
+        masks = KeyMasks()
+        recalls = [s.state.cache.recall(s.state, len(s.fed)) for s in self.slots]  # each slot's own tier
+        recall = BatchRecall(recalls) if any(r is not None for r in recalls) else None
+        logits = runner.forward(Forward(input_ids, position_ids, SlotCache(self, n, masks), key_masks=masks,
+                                        recall=recall))  # (n, V)
+        for i, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
+            if slot.state.cache.retake(slot.state, logits[i]):  # a near-tie under recall: as the step alone would
+                logits[i] = self._retake(runner, i, int(token))  # (V,)
+                continue
             slot.fed.append(int(token))
             slot.lengths = [length + 1 for length in slot.lengths]
         return logits  # (n, V)
 
+    def _retake(self, runner, index: int, token: int) -> torch.Tensor:
+        """Slot ``index``'s step taken again over its whole history, as :meth:`ModelRunner.step` takes it: the slot
+        goes back to its session's cache, the turn's tokens since the last exact point and ``token`` are fed
+        again as a prefill there, and the slot is filled from the cache (the other rows are untouched)."""
+        slot = self.slots[index]
+        state = self._copy_back(index)
+        state.cache.rewind_decoded(state)
+        logits = runner.prefill(state, [token])[0]  # (V,)
+        slot.lengths = self._fill(index, state)
+        return logits
 
-    def _forward(self, runner, rows: list[int], tokens: Sequence[int]) -> torch.Tensor:
-        """One forward of slots ``rows`` (all the active ones, ``[0, n)``, or a few taken again), feeding
-        ``tokens[j]`` to slot ``rows[j]``; returns their next-token logits (len(rows), V)."""
-        device = self.keys[0].device
-        slots = [self.slots[i] for i in rows]
-        input_ids = torch.tensor([[int(t)] for t in tokens], device=device)  # (m, 1)
-        positions = [s.state.next_position + len(s.fed) for s in slots]
-        position_ids = torch.tensor(positions, device=device)[:, None]  # (m, 1) true positions
-        masks = KeyMasks()
-        recalls = [s.state.cache.recall(s.state, len(s.fed)) for s in slots]  # each slot's own tier
-        recall = BatchRecall(recalls) if any(r is not None for r in recalls) else None
-        return runner.forward(Forward(input_ids, position_ids, SlotCache(self, rows, masks), key_masks=masks,
-                                      recall=recall))  # (m, V)
+    def _copy_back(self, index: int) -> KVState:
+        """Copy slot ``index`` into its session's own cache and account for the tokens fed; the slot stays."""
+        slot = self.slots[index]
+        state = slot.state
+        for layer, lay in enumerate(state.cache.layers):
+            n = slot.lengths[layer]
+            had = slot.padded and getattr(lay, "visible", None) is not None
+            visible = self.visible[layer][index : index + 1, :, :n].clone() if had else None  # (1, Hkv, n)
+            set_layer(lay, self.keys[layer][index : index + 1, :, :n].clone(),  # (1, Hkv, n, D)
+                      self.values[layer][index : index + 1, :, :n].clone(), visible)
+        if slot.fed:
+            state.append(slot.fed, [False] * len(slot.fed), state.positions[0].shape[1], state.positions[0].device)
+            slot.fed = []
+        return state
 
 
 class SlotLayer(DynamicLayer):
     """One layer of a step: the active slots of the pool, seen as the layer's cache."""
 
-    def __init__(self, pool: SlotPool, rows: list[int], masks: KeyMasks, index: int) -> None:
+    def __init__(self, pool: SlotPool, n: int, masks: KeyMasks, index: int) -> None:
         super().__init__()
-        self.pool, self.rows, self.masks, self.index = pool, rows, masks, index
+        self.pool, self.n, self.masks, self.index = pool, n, masks, index
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """``key_states``/``value_states`` (m, Hkv, 1, D) for the step's slots: written in place at each slot's
-        length; returns the slots' keys and values (m, Hkv, T, D), T the longest slot (or the width when
-        static), and records the layer's key mask (m, 1, 1, T)."""
-        pool, m = self.pool, len(self.rows)
-        lengths = [pool.slots[i].lengths[self.index] for i in self.rows]
+        """``key_states``/``value_states`` (n, Hkv, 1, D): written in place at each slot's length; returns the
+        slots' keys and values (n, Hkv, T, D), T the longest slot (or the width when static), and records the
+        layer's key mask (n, 1, 1, T)."""
+        pool, n = self.pool, self.n
+        lengths = [s.lengths[self.index] for s in pool.slots]
         device = key_states.device
-        whole = self.rows == list(range(m))  # all the active slots: plain views of [0, m)
-        rows = torch.tensor(self.rows, device=device)  # (m,)
-        at = torch.tensor(lengths, device=device)  # (m,) where each slot's new token goes
+        rows = torch.arange(n, device=device)  # (n,)
+        at = torch.tensor(lengths, device=device)  # (n,) where each slot's new token goes
         keys, values = pool.keys[self.index], pool.values[self.index]  # (S, Hkv, T_cap, D)
-        keys[rows, :, at] = key_states[:, :, 0]  # (m, Hkv, D)
+        keys[rows, :, at] = key_states[:, :, 0]  # (n, Hkv, D)
         values[rows, :, at] = value_states[:, :, 0]
         span = pool.width if pool.static else max(lengths) + 1
-        mask = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (m, 1, 1, T)
+        mask = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (n, 1, 1, T)
         if pool.visible is not None:  # a slot's padding slots, per KV head
-            vis = pool.visible[self.index][:m] if whole else pool.visible[self.index][rows]  # (m, Hkv, T_cap)
-            mask = mask & vis[:, :, None, :span]  # (m, Hkv, 1, T)
+            mask = mask & pool.visible[self.index][:n, :, None, :span]  # (n, Hkv, 1, T)
         self.masks[self.index] = mask
-        if whole:
-            return keys[:m, :, :span], values[:m, :, :span]  # (m, Hkv, T, D) views
-        return keys[rows, :, :span], values[rows, :, :span]  # (m, Hkv, T, D) copies: a retake's few rows
+        return keys[:n, :, :span], values[:n, :, :span]  # (n, Hkv, T, D) views
 
     def get_seq_length(self) -> int:
-        return max(self.pool.slots[i].lengths[self.index] for i in self.rows)
+        return max(s.lengths[self.index] for s in self.pool.slots)
 
 
 class SlotCache(Cache):
-    """Slots ``rows`` of the pool as one batched cache, for one decode step."""
+    """The pool's active slots as one batched cache, for one decode step."""
 
-    def __init__(self, pool: SlotPool, rows: list[int], masks: KeyMasks) -> None:
-        super().__init__(layers=[SlotLayer(pool, rows, masks, i) for i in range(pool.num_layers)])
+    def __init__(self, pool: SlotPool, n: int, masks: KeyMasks) -> None:
+        super().__init__(layers=[SlotLayer(pool, n, masks, i) for i in range(pool.num_layers)])
 
 
 def decode_step(runner, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:

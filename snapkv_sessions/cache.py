@@ -116,16 +116,16 @@ class HotOnly:
         return None
 
     def retake(self, state: KVState, logits: torch.Tensor) -> bool:
-        """Whether the decode step that gave ``logits`` (V,) must be taken again, attending to all it holds (a
-        tier's recall escalating on a near-tie, ``memory.recall.escalate``); False here: decode read it all.
-        When True the caller rewinds the step's writes (:meth:`rewind`, or a slot pool's own) and feeds the
-        same token again."""
+        """Whether the decode step that gave ``logits`` (V,) must be taken again over the whole history (a tier's
+        recall escalating on a near-tie, ``memory.recall.escalate``); False here: decode read all it holds. When
+        True the caller calls :meth:`rewind_decoded` and feeds the step's token again as a prefill."""
         return False
 
-    def rewind(self, state: KVState) -> None:
-        """Forget the slots the last forward wrote past what ``state`` accounts for (a step to be taken again)."""
-        for layer, lay in enumerate(self.layers):  # type: ignore[attr-defined]
-            lay.truncate(int(state.positions[layer].shape[-1]))
+    def rewind_decoded(self, state: KVState) -> None:
+        """Send the turn's tokens decoded since the last exact point back to ``state.pending`` (their slots, and any
+        slot a step wrote past ``state``, dropped), so that a prefill of the step's token computes them over the
+        whole history. Only a cache whose :meth:`retake` can say True has any to send."""
+        raise NotImplementedError("only a tiered cache with decode-time recall retakes a step")
 
     def observe_recall(self, observer) -> None:
         """Have ``observer(layer, positions)`` see what each decode step of this turn recalls (nothing here)."""

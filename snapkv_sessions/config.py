@@ -274,9 +274,9 @@ class RecallConfig(_Settings):
         Cold slots per page whose values the tail's estimate averages (1: each slot's own value).
     escalate:
         A margin in logits, or ``None`` (never). A decode step whose two most likely next tokens are within this
-        margin of each other under recall is taken again with every cold slot attended (full attention for that
-        step): where the reply would turn on a near-tie, the selection's error cannot flip it. ``0`` never
-        retakes a step either (no margin is below 0).
+        margin of each other under recall is taken again over the whole history: the turn's tokens decoded since
+        the last retake are fed again with the step's own as a prefill over hot and cold, so the step is the full
+        cache's and a near-tie is not flipped by the recall's error. ``0`` never retakes a step either.
     """
 
     budget: int | None = None

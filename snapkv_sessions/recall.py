@@ -279,9 +279,9 @@ class RecallStats:
     max_step: the most recalled in one step (all layers and heads); repeats: recalled slots that the same layer
     and head also recalled the step before (what a device cache of the last step's recalls would have hit);
     read_*: bytes read per step, summed over steps: the hot cache, the selector's reads of the tier (its
-    summary, or the cold keys it scores), and the recalled keys and values; escalated: steps taken again with
-    every cold slot (``escalate``), read_escalated: what those retakes read (the hot cache, every cold key and
-    value), summed over them.
+    summary, or the cold keys it scores), and the recalled keys and values; escalated: steps taken again over
+    the whole history (``escalate``), refed: the tokens those retakes fed again (each step's own included),
+    read_escalated: what the retakes read (the hot cache and every cold key and value, once each), summed.
     """
 
     steps: int = 0
@@ -292,6 +292,7 @@ class RecallStats:
     read_select: int = 0
     read_recalled: int = 0
     escalated: int = 0
+    refed: int = 0
     read_escalated: int = 0
     distinct: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled this turn
     last: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, Hkv, C) recalled last step
@@ -399,36 +400,37 @@ class Recall:
         self.context = 0  # true positions at this step (set by the cache before each step)
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
-        # "select": the step recalls what the selector chooses; "armed": retake() asked for the step again;
-        # "whole": this forward is that retake, attending to every cold slot
-        self._mode = "select"
+        # the first true position whose KV decode computed under recall: everything before it is exact (the
+        # prefill's, or fed again by a retake); set by the tiered cache when the turn's decode starts
+        self.exact_until = 0
 
     def begin_step(self, context: int, hot_bytes: int) -> None:
-        self.context = context
-        if self._mode == "armed":  # the same step again: counted once, its reads apart
-            self._mode = "whole"
-            self.stats.escalated += 1
-            self.stats.read_escalated += hot_bytes
-            return
-        self._mode = "select"
         self.end()  # the previous step's total counts toward the most recalled in one step
         self._step_total = 0
+        self.context = context
         self.stats.steps += 1
         self.stats.read_hot += hot_bytes
 
     def retake(self, logits: torch.Tensor) -> bool:
-        """Whether the step that gave ``logits`` (V,) must be taken again with every cold slot: its two best
-        logits are within ``escalate`` of each other (a near-tie the selection's error could flip). Arms the
-        retake: the next :meth:`begin_step` is the same step, whose :meth:`extra` recalls the whole tier. A retake
-        is never retaken; the caller rewinds the step's writes to the hot cache first."""
+        """Whether the step that gave ``logits`` (V,) must be taken again over the whole history: its two best
+        logits are within ``escalate`` of each other, a near-tie that the selection's error, or the approximate KV
+        of the tokens decoded since the last exact point, could flip. The caller then feeds those tokens and the
+        step's own again as a prefill over hot and cold (:meth:`~snapkv_sessions.tier.TieredCache.rewind_decoded`),
+        which makes the step the full cache's."""
         margin = self.cfg.escalate
-        if margin is None or self._mode == "whole" or logits.shape[-1] < 2:
+        if margin is None or logits.shape[-1] < 2:
             return False
         top = logits.float().topk(2).values  # (2,)
-        if float(top[0] - top[1]) >= margin:
-            return False
-        self._mode = "armed"
-        return True
+        return float(top[0] - top[1]) < margin
+
+    def retaken(self, tokens: int, hot_bytes: int) -> None:
+        """Count a retake that feeds ``tokens`` again (the step's own included) over the hot cache and the whole
+        tier, and move the exact point past them."""
+        stats = self.stats
+        stats.escalated += 1
+        stats.refed += tokens
+        stats.read_escalated += hot_bytes + self.cold.nbytes
+        self.exact_until += tokens
 
     def end(self) -> None:
         self.stats.max_step = max(self.stats.max_step, self._step_total)
@@ -443,7 +445,7 @@ class Recall:
         out = {**self.stats.to_dict(), "summary_bytes": held, "selector": self.cfg.selector, **tail}
         if self.cfg.escalate is not None:  # stated only where a policy escalates: earlier records stay as they were
             stats = self.stats
-            out["escalated"] = stats.escalated
+            out["escalated"], out["refed"] = stats.escalated, stats.refed
             out["read_bytes_per_step"]["escalated"] = stats.read_escalated // max(stats.steps, 1)
         return out
 
@@ -457,8 +459,6 @@ class Recall:
         part = self.cold.layers[layer]
         if part is None:
             return None
-        if self._mode == "whole":
-            return self._whole(layer, part, query)
         keys, values = part.keys, part.values  # (B, Hkv, C, D), on the host; the model's device on a CPU
         k = min(self.cfg.slots(self.context), keys.shape[2])
         if k <= 0 and self.tail is None:
@@ -498,20 +498,6 @@ class Recall:
         if self.observer is not None:
             self.observer(layer, positions.gather(-1, idx).masked_fill(~attend, -1))  # (B, Hkv, K)
         return Recalled(rec_k, rec_v, attend[:, :, None], tail_values, tail_logit)
-
-    def _whole(self, layer: int, part, query: torch.Tensor) -> Recalled:
-        """A retaken step (:meth:`retake`): every real cold slot, attended exactly (full attention for this step).
-        Its reads count apart (``read_escalated``), not as the selector's recalls."""
-        keys = part.keys.to(query.device, query.dtype)  # (B, Hkv, C, D)
-        values = part.values.to(query.device, query.dtype)
-        bsz, heads, cold, _ = keys.shape
-        attend = (torch.ones(bsz, heads, cold, dtype=torch.bool, device=query.device) if part.real is None
-                  else part.real.to(query.device))  # (B, Hkv, C) padding never attended
-        self.stats.read_escalated += (part.keys.numel() * part.keys.element_size()
-                                      + part.values.numel() * part.values.element_size())
-        if self.observer is not None:
-            self.observer(layer, part.positions.to(query.device).masked_fill(~attend, -1))  # (B, Hkv, C)
-        return Recalled(keys, values, attend[:, :, None])
 
     def _account(self, layer: int, part, idx: torch.Tensor, attend: torch.Tensor, keys: torch.Tensor, k: int) -> None:
         stats = self.stats

@@ -321,9 +321,9 @@ class ModelRunner:
     def step(self, state: KVState, token: int) -> torch.Tensor:
         """Feed one token at its true position; returns the next-token logits (V,)."""
         logits = self._forward(state, [token], None)
-        if state.cache.retake(state, logits):  # a near-tie under recall: the same step, attending to every slot
-            state.cache.rewind(state)
-            logits = self._forward(state, [token], None)
+        if state.cache.retake(state, logits):  # a near-tie under recall: the step again, over the whole history
+            state.cache.rewind_decoded(state)
+            return self.prefill(state, [token])[0]  # (V,): the turn's decoded tokens fed again with it
         state.append([token], [False], self.num_kv_heads, self.device)
         return logits
 

@@ -123,7 +123,7 @@ class TurnStat:
         cold keys, and the recalled keys and values); 0 without recall
     summary_bytes: bytes of the recall selector's summary of the cold tier (what stays on a device beside the hot
         cache); 0 without recall
-    recall_steps, recall_escalated: decode steps that recalled, and those of them taken again with every cold slot
+    recall_steps, recall_escalated: decode steps that recalled, and those of them taken again over the whole history
         on a near-tie (``memory.recall.escalate``); 0 without recall
     """
 

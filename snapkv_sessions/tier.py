@@ -364,6 +364,7 @@ class TieredCache(CompactCache):
         self.cold.decode_start = state.next_position  # the reply decode writes from here is fed again next turn
         if self.recall_config is not None:  # one Recall for the turn's decode: selector summaries are kept
             self._recall = Recall(self.recall_config, self.cold, RecallStats(), self.rotary)
+            self._recall.exact_until = state.next_position  # the prefill computed everything before decode
 
     @property
     def current_recall(self) -> Recall | None:
@@ -383,8 +384,23 @@ class TieredCache(CompactCache):
         return rec
 
     def retake(self, state, logits: torch.Tensor) -> bool:
+        rec = self._recall  # nothing cold: decode read the whole history already
+        return rec is not None and any(part is not None for part in self.cold.layers) and rec.retake(logits)
+
+    def rewind_decoded(self, state) -> None:
+        """Decode appended the turn's tokens last in every layer: the ``n`` since the recall's exact point are cut
+        off the hot cache (and a step's write past ``state`` with them) and go back to ``state.pending``."""
         rec = self._recall
-        return rec is not None and rec.retake(logits)
+        if rec is None or state.next_position < rec.exact_until:
+            raise RuntimeError("no decode of this turn to take again")
+        start = rec.exact_until
+        n = state.next_position - start
+        for layer, lay in enumerate(self.layers):
+            keep = int(state.positions[layer].shape[-1]) - n
+            lay.truncate(keep)
+            state.positions[layer] = state.positions[layer][..., :keep]  # (B, Hkv, T - n)
+        state.requeue(start)
+        rec.retaken(n + 1, state.kv_bytes())  # the step's own token is fed with them
 
     def decode_done(self, state) -> dict | None:
         rec, self._recall = self._recall, None

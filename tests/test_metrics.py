@@ -143,7 +143,7 @@ def test_compression_safety_signals_equal_the_turn_records(tmp_path, batch):
     from snapkv_sessions.tierpool import POOL
 
     policy = {"compression": {"budget": 16, "window": 4}, "drift": {"embedder": "none"},
-              # every recalling step escalates (taken again with every cold slot): the counters must say so
+              # every recalling step escalates (taken again over the whole history): the counters must say so
               "memory": {"cold": True, "recall": {"budget": 2, "selector": "exact", "escalate": 1e9}}}
     _app, client, service = tiny_app(tmp_path, policy=policy, batch=batch)
     words = "the special magic number is hidden within following text of many words".split()

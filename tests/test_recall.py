@@ -506,9 +506,9 @@ def test_escalate_zero_never_retakes_and_equals_no_escalation():
 
 
 def test_a_step_is_retaken_exactly_when_its_margin_is_under_the_threshold():
-    """Steps whose two best logits (under the selector's recall) are closer than ``escalate`` are taken again
-    with every cold slot, the others are not; each step's logits equal full eager attention whose row sees the
-    hot set, the turn's decoded tokens and what the step finally attended to (all the cold slots if retaken)."""
+    """Steps whose two best logits (under the selector's recall) are closer than ``escalate`` are taken again, the
+    others are not; a retaken step feeds the turn's tokens since the last retake again with its own, over the whole
+    history, so its logits are the full cache's over the same tokens, exactly (fp32)."""
     model = build_tiny("llama", seed=4)
     runner = ModelRunner(model)
 
@@ -518,9 +518,6 @@ def test_a_step_is_retaken_exactly_when_its_margin_is_under_the_threshold():
         runner.compress(state, HOT, probe)
         state.cache.prefill_done(state)
         rec = state.cache.current_recall
-        attended: dict[tuple[int, int], list[set[int]]] = {}  # the last forward's recalls per (position, layer)
-        rec.observer = lambda layer, pos: attended.__setitem__(
-            (state.next_position, layer), [{p for p in row if p >= 0} for row in pos[0].tolist()])
         margins, retaken = [], []
         asked = rec.retake
 
@@ -532,28 +529,38 @@ def test_a_step_is_retaken_exactly_when_its_margin_is_under_the_threshold():
 
         rec.retake = watch
         got = {}
-        hot = [[{p for p in row if p >= 0} for row in k[0].tolist()] for k in state.held()]
-        for _ in range(8):
+        for _ in range(10):
             at = state.next_position
             logits = runner.step(state, int(logits.argmax()))
             got[at] = logits
-        return state, got, margins, retaken, attended, hot
+        return state, got, margins, retaken
 
-    _, _, margins, _, _, _ = decode(None)
+    _, _, margins, _ = decode(None)
     threshold = sorted(margins)[len(margins) // 2]  # about half the steps fall under it
-    state, got, margins2, retaken, attended, hot = decode(threshold)
-    assert retaken == [m < threshold for m in margins2] and any(retaken) and not all(retaken)
-    assert state.cache.decode_done(state)["escalated"] == sum(retaken)
-    cold = {layer: [set(range(48)) - hot[layer][h] for h in range(runner.num_kv_heads)]
-            for layer in range(runner.num_layers)}
-    for (at, layer), seen in attended.items():
-        step = list(got).index(at)
-        assert (seen == cold[layer]) == retaken[step], (at, layer)  # a retake attended to all the cold slots
-    assert_steps_equal_masked_attention(runner, model, state, got, hot, attended, 48)
+    state, got, margins, retaken = decode(threshold)
+    assert retaken == [m < threshold for m in margins] and any(retaken) and not all(retaken)
+    figures = state.cache.decode_done(state)
+    assert figures["escalated"] == sum(retaken) and figures["steps"] == len(got)
+    # each retake fed the tokens decoded since the previous one (or since the prefill) and its own
+    steps = list(got)
+    exact, refed = 48, 0
+    for at, again in zip(steps, retaken, strict=True):
+        if again:
+            refed += at - exact + 1
+            exact = at + 1
+    assert figures["refed"] == refed
+    runner.detach()
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([state.token_ids])).logits[0]  # (T, V): the full cache, every position
+    for at, again in zip(steps, retaken, strict=True):
+        if again:
+            torch.testing.assert_close(got[at], full[at], rtol=1e-4, atol=1e-4)
+    assert any(not torch.allclose(got[at], full[at], rtol=1e-4, atol=1e-4)
+               for at, again in zip(steps, retaken, strict=True) if not again)  # the others are recall's own
 
 
 def test_escalating_slots_in_a_batch_equal_each_alone():
-    """Two slots that retake every step around one that never does (the retake is a sub-batch of rows 0 and 2):
+    """Two slots that retake every step around one that never does, then slots that retake on some steps only:
     every row equals its session stepped alone."""
     runner = ModelRunner(build_tiny("qwen2", seed=3))
     short = GenerationConfig(max_new_tokens=4, eos_token_ids=())
@@ -566,6 +573,15 @@ def test_escalating_slots_in_a_batch_equal_each_alone():
     step_together_and_alone(runner, [a, b, c])
     assert a.cache.decode_done(a)["escalated"] == 3 and c.cache.decode_done(c)["escalated"] == 3
     assert "escalated" not in b.cache.decode_done(b)
+    # near-ties only: some rows retake at some steps (a retake's prefill in its session's cache, the slot refilled)
+    states = []
+    for seed, escalate in ((5, 0.2), (6, 0.2), (7, None)):
+        s = runner.new_state(tiered=True, recall=RecallConfig.make(budget=1, escalate=escalate))
+        runner.turn(s, prompt(38, seed=seed), HOT, short)
+        states.append(s)
+    step_together_and_alone(runner, states, steps=6)
+    counts = [s.cache.decode_done(s).get("escalated") for s in states]
+    assert counts[2] is None and 0 < counts[0] + counts[1] < 12, counts
 
 
 def test_escalate_is_validated_and_keeps_stored_hashes():
@@ -616,4 +632,4 @@ def test_a_stored_session_that_escalates_verifies_and_shows_its_retakes(smollm2,
     assert table.exit_code == 0, table.output
     assert re.search(r" esc (\d+)/\1 read ", " ".join(table.output.split())), table.output  # every step retaken
     detail = CliRunner().invoke(main, ["replay", ran["always"][1], "--turn", str(recs[-1].turn), *db])
-    assert detail.exit_code == 0 and "taken again with every cold slot" in detail.output, detail.output
+    assert detail.exit_code == 0 and "taken again over the whole history" in detail.output, detail.output

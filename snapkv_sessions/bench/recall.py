@@ -39,7 +39,7 @@ OPTIONS = {"mass": {"reduce": "mass"}, "layer": {"share": "layer"}, "tail": {"ta
 def recall_spec(spec: str) -> dict:
     """A selector spec of the grid, ``NAME[+mass][+layer][+tail[N]][+escM]`` (``exact``, ``lowrank+mass``,
     ``exact+mass+layer``, ``lowrank+mass+tail16``, ``lowrank+mass+esc1.0``: steps whose two best logits are
-    within M are taken again with every cold slot) -> its ``memory.recall`` keys (not counting the budget).
+    within M are taken again over the whole history) -> its ``memory.recall`` keys (not counting the budget).
     Unknown words raise ValueError naming them."""
     name, *words = spec.split("+")
     out: dict = {"selector": name}

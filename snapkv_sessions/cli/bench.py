@@ -426,7 +426,7 @@ def _float_list(name: str, text: str) -> list[float]:
               help="Recall selectors, separated by commas; a selector may add '+mass' (rank slots by the group's "
                    "attention mass), '+layer' (share the budget over a layer's heads), '+tailN' (estimate the "
                    "rest from pages of N) and '+escM' (retake a step whose two best logits are within M with "
-                   "every cold slot): exact+mass+layer, lowrank+mass+tail32+esc1.")
+                   "the whole history): exact+mass+layer, lowrank+mass+tail32+esc1.")
 @click.option("--max-new-tokens", default=40, show_default=True, help="Reply length cap per turn.")
 @click.option("--results", default=None,
               help="JSONL file: one line per session and condition, appended; a rerun resumes.")

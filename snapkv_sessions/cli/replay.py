@@ -122,8 +122,8 @@ def _detail_text(detail: dict) -> str:
                      f"{recall['recalled_max_step']}), {recall['distinct_recalled']} distinct, "
                      f"{recall['selector']} selector; --find TEXT names the tokens")
         if "escalated" in recall:
-            lines.append(f"  decode steps taken again with every cold slot (a near-tie): {recall['escalated']} of "
-                         f"{recall['steps']}")
+            lines.append(f"  decode steps taken again over the whole history (a near-tie): {recall['escalated']} of "
+                         f"{recall['steps']}, {recall['refed']} tokens fed again")
     recalled = [len(h["recalled"]) for layer in detail["layers"] for h in layer if "recalled" in h]
     if recalled:
         lines.append(f"  recalled from the cold tier to hot: {min(recalled)}..{max(recalled)} positions per layer "

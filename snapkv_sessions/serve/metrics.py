@@ -139,8 +139,8 @@ class PrometheusSink:
                                       registry=r, buckets=BYTES_BUCKETS)
         self.recall_steps = Counter("snapkv:recall_steps", "Decode steps of live turns that recalled from the tier.",
                                     m, registry=r)
-        self.recall_escalated = Counter("snapkv:recall_escalated_steps", "Recalling decode steps taken again with "
-                                        "every cold slot, their two best logits within memory.recall.escalate.", m,
+        self.recall_escalated = Counter("snapkv:recall_escalated_steps", "Recalling decode steps taken again over "
+                                        "the whole history, their two best logits within memory.recall.escalate.", m,
                                         registry=r)
 
         # ---- compressions (CompressionStat)
