@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from snapkv_sessions.bench.quality import RULE, copy_score, items, method_policy, rule_followed
@@ -113,3 +114,19 @@ def test_tier_recall_is_the_tiered_session_with_decode_recall():
     assert recall.tiered and recall.memory.recall == RecallConfig.make(**RECALL)
     assert tiered.memory.recall is None
     assert recall.compression == tiered.compression and recall.pins == tiered.pins and recall.drift == tiered.drift
+
+
+def test_a_tiered_method_takes_a_recall_spec_and_others_refuse_it():
+    from snapkv_sessions.bench.quality import method_policy
+    from snapkv_sessions.config import RecallConfig
+
+    spec = method_policy("tiered+r0.1:lowrank+mass+tail32+esc1", 0.2, 16)
+    assert spec.memory.recall == RecallConfig.make(ratio=0.1, selector="lowrank", reduce="mass", tail="pages",
+                                                   tail_page=32, escalate=1.0)
+    assert spec.compression == method_policy("tiered", 0.2, 16).compression
+    assert method_policy("tier-adakv+r0.05", 0.2, 16).memory.recall == RecallConfig.make(ratio=0.05)
+    with pytest.raises(ValueError, match="tiered method"):
+        method_policy("snapkv+r0.1", 0.2, 16)
+    for bad, says in (("tiered+r0.1:nope", "nope"), ("snapkv+r0.1", "tiered method"), ("tiered+r2", "ratio")):
+        res = CliRunner().invoke(main, ["bench", "quality", "--methods", f"full,{bad}"])
+        assert res.exit_code == 2 and says in res.output and "Traceback" not in res.output, res.output

@@ -17,9 +17,11 @@ import time
 
 import torch
 
-from ..policy import Policy
+from ..errors import ConfigError
+from ..policy import Policy, PolicyError
 from ..session import Session
 from ..store import SessionStore
+from .recall import split_recall
 from .shift import SYSTEM, agreement, first_turn, is_correct, is_degenerate, make_scenario
 
 # A format rule this model follows with the full cache wherever it is stated (measured on Qwen2.5-Coder-0.5B:
@@ -31,9 +33,15 @@ METHODS = ("full", "session", "tiered", "every", "streaming", "snapkv", "adakv",
 # tier-recall's second stage: each decode step also recalls 10% of the context from the tier, lowrank-ranked by
 # attention mass (the best measured on bench recall; docs/tiered-memory.md)
 RECALL = {"ratio": 0.1, "selector": "lowrank", "reduce": "mass"}
+TIERED = ("tiered", "tier-adakv")  # the methods a recall suffix may go on
 
 
 def method_policy(method: str, ratio: float, window: int) -> Policy:
+    """The policy of a method, or of a tiered one with decode-time recall, ``tiered+rRATIO[:SPEC]`` (``SPEC`` a
+    selector spec of ``bench recall``: ``tiered+r0.1:lowrank+mass+tail32+esc1``)."""
+    base, recall = split_recall(method)
+    if recall is not None and base not in TIERED:
+        raise ValueError(f"{method[:80]!r}: recall '+rRATIO[:SPEC]' goes on a tiered method ({', '.join(TIERED)})")
     comp = {"budget_ratio": ratio, "window": window, "kernel": 7}
     no_pins = {"roles": [], "sink_tokens": 0, "keep_question": False}
     no_tier = {"cold": False}
@@ -59,7 +67,20 @@ def method_policy(method: str, ratio: float, window: int) -> Policy:
         # the tiered session whose decode also recalls from the tier (two-stage attention)
         "tier-recall": {**session, "memory": {"cold": True, "on_shift": "tier", "recall": RECALL}},
     }
-    return Policy.from_dict({"name": method, **specs[method]})
+    spec = specs[base]
+    if recall is not None:
+        spec = {**spec, "memory": {**spec["memory"], "recall": recall}}
+    return Policy.from_dict({"name": method, **spec})
+
+
+def check_method(method: str) -> None:
+    """Raise ValueError naming what is wrong with a ``--methods`` entry."""
+    try:
+        if split_recall(method)[0] not in METHODS:
+            raise ValueError(f"choose from {', '.join(METHODS)}, a tiered one with '+rRATIO[:SPEC]'")
+        method_policy(method, 0.2, 16)
+    except (ValueError, ConfigError, PolicyError) as exc:
+        raise ValueError(f"{method[:80]!r}: {exc}") from None
 
 
 def items(n: int, records: int = 40) -> list[dict]:

@@ -55,6 +55,17 @@ def recall_spec(spec: str) -> dict:
     return out
 
 
+def split_recall(method: str) -> tuple[str, dict | None]:
+    """A method with decode-time recall, ``METHOD+rRATIO[:SPEC]`` (``snapkv+r0.1:exact+mass``: the hot set chosen
+    by snapkv, each decode step also recalling 10% of the context from the tier, the slots ranked by SPEC, a
+    selector spec of ``bench recall``), into the method and its ``memory.recall`` keys (None: no recall)."""
+    base, sep, rest = method.partition("+r")
+    if not sep:
+        return method, None
+    ratio, _, spec = rest.partition(":")
+    return base, {"ratio": float(ratio), **recall_spec(spec or "exact")}
+
+
 def _number(text: str) -> bool:
     try:
         return float(text) >= 0
@@ -127,7 +138,7 @@ def _turn(t: dict) -> dict:
            "summary_bytes": recall.get("summary_bytes", 0), "recalled_per_step": recall.get("recalled_per_step"),
            "repeat_rate": recall.get("repeat_rate"), "read_per_step": recall.get("read_bytes_per_step")}
     if "escalated" in recall:  # only rows of escalating conditions carry it
-        out.update(steps=recall["steps"], escalated=recall["escalated"])
+        out.update(steps=recall["steps"], escalated=recall["escalated"], refed=recall.get("refed"))
     return out
 
 

@@ -28,7 +28,7 @@ from ..config import CompressionConfig, RecallConfig
 from ..errors import ConfigError
 from ..generation import GenerationConfig
 from .knee import knee_cell
-from .recall import recall_spec
+from .recall import split_recall
 from .ruler_data import Item, encode, generate, metric, render, score, task_table
 from .variants import Prefix, compressed_variants
 
@@ -43,17 +43,6 @@ def method_fields(method: str) -> dict:
     return {"snapkv": {}, "lines": {"span_aware": True, "span_unit": "line"},
             "sentences": {"span_aware": True, "span_unit": "sentence"}, "pyramid": {"strategy": "pyramid"},
             "adakv": {"allocator": "adakv"}, "streaming": {"method": "streaming"}}[split_recall(method)[0]]
-
-
-def split_recall(method: str) -> tuple[str, dict | None]:
-    """A method with decode-time recall, ``METHOD+rRATIO[:SPEC]`` (``snapkv+r0.1:exact+mass``: the hot set chosen
-    by snapkv, each decode step also recalling 10% of the context from the tier, the slots ranked by SPEC, a
-    selector spec of ``bench recall``), into the method and its ``memory.recall`` keys (None: no recall)."""
-    base, sep, rest = method.partition("+r")
-    if not sep:
-        return method, None
-    ratio, _, spec = rest.partition(":")
-    return base, {"ratio": float(ratio), **recall_spec(spec or "exact")}
 
 
 def check_method(method: str) -> None:

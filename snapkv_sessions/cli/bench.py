@@ -146,10 +146,14 @@ def bench_quality(model, n_items, ratio, window, max_new_tokens, records, method
     chosen = quality.METHODS
     if methods is not None:
         chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
-        unknown = [m for m in chosen if m not in quality.METHODS]
-        if unknown or not chosen:
+        if not chosen:
             raise click.BadParameter(f"{methods[:80]!r}: choose from {', '.join(quality.METHODS)}",
                                      param_hint="--methods")
+        for method in chosen:
+            try:
+                quality.check_method(method)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--methods") from None
     runner = quality.load_runner(model, dtype)
     with progress.task(f"bench quality: {n_items} item(s)", total=n_items) as shown:  # it logs one line per item
         result = quality.run_quality(runner, n_items, ratio, window, max_new_tokens, records, log=shown.step,
