@@ -133,7 +133,8 @@ def test_gpu_check_cpu_mode():
     for r in out["recall"]:
         assert r["recall_all_equals_full"] is True
         assert set(r["cells"]) == {"full", "hot", "hot+exact0.1", "hot+sparq0.1", "hot+pages0.1", "hot+lowrank0.1",
-                                   "hot+lowrank0.1+mass+tail"}
+                                   "hot+lowrank0.1+mass+tail", "hot+lowrank0.1+mass+tail+esc1"}
+        assert 0 <= r["cells"]["hot+lowrank0.1+mass+tail+esc1"]["escalated"] <= 4  # retakes are counted
         tail, plain = r["cells"]["hot+lowrank0.1+mass+tail"], r["cells"]["hot+lowrank0.1"]
         assert tail["summary_bytes"] > plain["summary_bytes"]  # the page means are held beside the low-rank keys
         assert r["cells"]["hot+pages0.1"]["summary_bytes"] > 0 and r["cells"]["hot"]["tpot_ms"] > 0

@@ -177,6 +177,9 @@ def recall(runner, length: int, budget: float, window: int, steps: int, ratio: f
     variants += [(f"hot+{name}{ratio}", RecallConfig.make(ratio=ratio, selector=name)) for name in SELECTORS]
     variants.append((f"hot+lowrank{ratio}+mass+tail", RecallConfig.make(ratio=ratio, selector="lowrank", reduce="mass",
                                                                        tail="pages")))
+    # the same with near-ties retaken exactly over the whole history (the retakes' share is in the figures)
+    variants.append((f"hot+lowrank{ratio}+mass+tail+esc1", RecallConfig.make(ratio=ratio, selector="lowrank",
+                                                                            reduce="mass", tail="pages", escalate=1.0)))
     same_as_full = None
     for name, rc in variants:
         state = base.clone()
@@ -187,7 +190,8 @@ def recall(runner, length: int, budget: float, window: int, steps: int, ratio: f
             continue
         cells[name] = {"tpot_ms": round(ms, 3), "tpot_vs_full": round(ms / full_ms, 3),
                        "hot_bytes": state.kv_bytes(), "summary_bytes": figures.get("summary_bytes", 0),
-                       "read_bytes_per_step": figures.get("read_bytes_per_step")}
+                       "read_bytes_per_step": figures.get("read_bytes_per_step"),
+                       **({"escalated": figures["escalated"]} if "escalated" in figures else {})}
     return {"length": length, "budget_ratio": budget, "recall_ratio": ratio, "recall_all_equals_full": same_as_full,
             "cells": cells, "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else None}
