@@ -389,7 +389,8 @@ class Recall:
     where a head attends to fewer.
     """
 
-    def __init__(self, cfg: RecallConfig, cold, stats: RecallStats, rotary: Rotary | None = None) -> None:
+    def __init__(self, cfg: RecallConfig, cold, stats: RecallStats, rotary: Rotary | None = None,
+                 decode_start: int = 0) -> None:
         self.cfg, self.cold, self.stats = cfg, cold, stats
         self.selector = SELECTORS[cfg.selector](cfg, rotary)
         for param, value, wants in (("reduce", cfg.reduce, "mass"), ("tail", cfg.tail, "pages")):
@@ -401,8 +402,8 @@ class Recall:
         self.observer: Callable[[int, torch.Tensor], None] | None = None
         self._step_total = 0
         # the first true position whose KV decode computed under recall: everything before it is exact (the
-        # prefill's, or fed again by a retake); set by the tiered cache when the turn's decode starts
-        self.exact_until = 0
+        # prefill's, or fed again by a retake); decode starts where the prefill ended
+        self.exact_until = decode_start
 
     def begin_step(self, context: int, hot_bytes: int) -> None:
         self.end()  # the previous step's total counts toward the most recalled in one step

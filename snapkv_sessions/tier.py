@@ -363,8 +363,7 @@ class TieredCache(CompactCache):
     def prefill_done(self, state) -> None:
         self.cold.decode_start = state.next_position  # the reply decode writes from here is fed again next turn
         if self.recall_config is not None:  # one Recall for the turn's decode: selector summaries are kept
-            self._recall = Recall(self.recall_config, self.cold, RecallStats(), self.rotary)
-            self._recall.exact_until = state.next_position  # the prefill computed everything before decode
+            self._recall = Recall(self.recall_config, self.cold, RecallStats(), self.rotary, state.next_position)
 
     @property
     def current_recall(self) -> Recall | None:
