@@ -100,11 +100,10 @@ class SlotPool:
         return index
 
     def _fill(self, index: int, state: KVState) -> list[int]:
-        """Write ``state``'s cache into slot ``index``, widening the pool if it must (a retake's prefill may have
-        grown the cache past the slot); returns the slot's per-layer lengths."""
+        """Write ``state``'s cache into slot ``index`` (it fits: admit fitted the pool, and a retake holds one slot
+        more than the slot's length, where the step had room to write); returns the slot's per-layer lengths."""
         layers = state.cache.layers
         lengths = [int(lay.keys.shape[-2]) for lay in layers]
-        self._fit(layers[0].keys, max(lengths) + 1, max(index + 1, len(self.slots)))  # a retake's prefill may widen
         masks = [getattr(lay, "visible", None) for lay in layers]  # (1, Hkv, n) or None per layer
         if self.visible is None and any(m is not None for m in masks):
             self.visible = [torch.ones(k.shape[:3], dtype=torch.bool, device=k.device) for k in self.keys]

@@ -318,14 +318,21 @@ class TieredCache(CompactCache):
         if n == 0:
             return 0
         start = state.next_position - n
-        for layer, lay in enumerate(self.layers):
-            if n == reply:
-                lay.truncate(lay.length - n)  # decode appended them last, in every layer
-                state.positions[layer] = state.positions[layer][..., :-n]  # (B, Hkv, T - n)
-            else:
+        if n == reply:
+            self._cut_decoded(state, n)
+        else:
+            for layer in range(len(self.layers)):
                 self._fold(state, layer, start)
         state.requeue(start)
         return n
+
+    def _cut_decoded(self, state, n: int) -> None:
+        """Drop the last ``n`` tokens ``state`` accounts for from every hot layer (decode appended them last, in
+        every layer), and any slot a step wrote past ``state`` with them."""
+        for layer, lay in enumerate(self.layers):
+            keep = int(state.positions[layer].shape[-1]) - n
+            lay.truncate(keep)
+            state.positions[layer] = state.positions[layer][..., :keep]  # (B, Hkv, T - n)
 
     def _fold(self, state, layer: int, start: int) -> None:
         """Move the layer's whole history below ``start`` to the cold tier (every head holds all of it) and
@@ -376,15 +383,21 @@ class TieredCache(CompactCache):
 
     def recall(self, state, fed: int = 0) -> Recall | None:
         """This decode step's recall from the tier (None: no recall configured, or nothing is cold)."""
-        rec = self._recall
-        if rec is None or all(part is None for part in self.cold.layers):
+        rec = self._recalling()
+        if rec is None:
             return None
         rec.begin_step(state.next_position + fed + 1, state.kv_bytes())
         return rec
 
+    def _recalling(self) -> Recall | None:
+        """The turn's recall while anything is cold (with nothing cold, decode reads the whole history)."""
+        if self._recall is None or all(part is None for part in self.cold.layers):
+            return None
+        return self._recall
+
     def retake(self, state, logits: torch.Tensor) -> bool:
-        rec = self._recall  # nothing cold: decode read the whole history already
-        return rec is not None and any(part is not None for part in self.cold.layers) and rec.retake(logits)
+        rec = self._recalling()
+        return rec is not None and rec.retake(logits)
 
     def rewind_decoded(self, state) -> None:
         """Decode appended the turn's tokens last in every layer: the ``n`` since the recall's exact point are cut
@@ -394,10 +407,7 @@ class TieredCache(CompactCache):
             raise RuntimeError("no decode of this turn to take again")
         start = rec.exact_until
         n = state.next_position - start
-        for layer, lay in enumerate(self.layers):
-            keep = int(state.positions[layer].shape[-1]) - n
-            lay.truncate(keep)
-            state.positions[layer] = state.positions[layer][..., :keep]  # (B, Hkv, T - n)
+        self._cut_decoded(state, n)
         state.requeue(start)
         rec.retaken(n + 1, state.kv_bytes())  # the step's own token is fed with them
 
