@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import threading
+from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -166,6 +167,30 @@ def test_ratios_are_ours_over_theirs():
     assert r.tokens_per_s == {"1": 0.5, "4": 1.5} and r.ours == "ours batch=8,packed=False,budget=0.2"
 
 
+def test_agreement_counts_turns_first_turns_and_whole_conversations_against_our_full_cache():
+    def turn(client, t, reply, status=200):
+        return serve_bench.TurnTiming(client, t, status, 1.0, 1.0, 3, 5, reply=reply)
+
+    def run(target, *turns):
+        return serve_bench.ServerRun(target, [serve_bench.Level(2, len(turns), 1.0, 1, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0,
+                                                                1.0, 1.0, 1.0, 0, 0, [], list(turns))])
+
+    full = run(serve_bench.Target("ours", batch=8, budget="full"),
+               turn(0, 1, "a"), turn(0, 2, "b"), turn(1, 1, "c"), turn(1, 2, "d"))
+    # client 0 equal on both turns; client 1's first turn differs; its second equal again; a refused turn not counted
+    small = run(serve_bench.Target("ours", batch=8, budget=0.2),
+                turn(0, 1, "a"), turn(0, 2, "b"), turn(1, 1, "x"), turn(1, 2, "d"))
+    other = run(serve_bench.Target("against", "http://127.0.0.1:1/v1", "m"),
+                turn(0, 1, "a"), turn(0, 2, "", status=429), turn(1, 1, "c"))
+    rows = serve_bench.agreements([small, full, other])
+    assert [(a.server.split(" ")[0], a.equal, a.compared, a.first_equal, a.conversations_equal, a.conversations)
+            for a in rows] == [("ours", 3, 4, 1, 1, 2), ("http://127.0.0.1:1/v1", 2, 2, 2, 2, 2)]
+    assert all(a.reference == full.target.label and a.clients == 2 for a in rows)
+    assert serve_bench.agreements([small, other]) == []  # no full-cache server: nothing to compare with
+    text = serve_bench.table({"levels": [], "agreement": [asdict(a) for a in rows]})
+    assert "3/4 (1/2; 1/2)" in text and "2/2 (2/2; 2/2)" in text
+
+
 def test_tree_rss_counts_the_children():
     import subprocess
     import sys
@@ -211,6 +236,9 @@ def test_ours_at_two_budgets_beside_another_server(tmp_path):
     first = next(b for b in fake.bodies if b["messages"][0]["role"] == "system")
     assert first["messages"][1]["content"] == serve_bench.QUESTIONS[0] and len(fake.bodies) == 3
     assert out["turns"][next(k for k in out["turns"] if "budget=full" in k)][1]["prompt_tokens"] > 0
+    # both other servers' replies compared with our full cache's, turn by turn
+    assert [(a["server"].split("budget=")[-1], a["compared"]) for a in out["agreement"]] == [
+        ("0.5", 2), (f"{fake.url} (fake-model)", 2)]
 
 
 def test_metrics_both_runs_each_server_with_and_without_and_gives_the_ratio(monkeypatch):

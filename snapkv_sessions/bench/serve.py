@@ -60,6 +60,7 @@ class TurnTiming:
     decoding: tuple[float, float] | None = None  # (first, last) content piece, perf_counter seconds
     session_id: str | None = None  # the session that served the turn (our server's extension field)
     error: str | None = None  # a refused request: the start of the server's error body
+    reply: str = ""  # the reply's text: compared across servers (:class:`Agreement`)
 
 
 @dataclass
@@ -172,6 +173,48 @@ class Ratios:
                    per_n("tokens_per_s"), per_n("decode_tokens_per_s"), _ratio(ours.rss_bytes, theirs.rss_bytes))
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """How often a server's replies equal the reference server's (our full cache's), turn by turn at one N.
+
+    The clients are deterministic (greedy, the same questions), so the same client's same turn is the same request
+    on both servers until some reply differs: from then on that conversation's prompts differ too, and its later
+    turns are still compared but no longer judge the compression alone. ``first_equal`` counts the conversations
+    whose first turn (the document) agrees; ``conversations_equal`` those equal on every turn."""
+
+    server: str
+    reference: str
+    clients: int
+    equal: int  # turns whose reply text equals the reference's
+    compared: int  # turns both servers answered
+    first_equal: int
+    conversations_equal: int
+    conversations: int
+
+    @classmethod
+    def of(cls, run: ServerRun, ref: ServerRun) -> list[Agreement]:
+        out = []
+        theirs = {lv.clients: lv for lv in ref.levels}
+        for lv in run.levels:
+            if lv.clients not in theirs:
+                continue
+            a = {(t.client, t.turn): t.reply for t in lv.per_turn if t.status == 200}
+            b = {(t.client, t.turn): t.reply for t in theirs[lv.clients].per_turn if t.status == 200}
+            both = sorted(a.keys() & b.keys())
+            same = {k for k in both if a[k] == b[k]}
+            clients = sorted({c for c, _ in both})
+            whole = [c for c in clients if all(k in same for k in both if k[0] == c)]
+            out.append(cls(run.target.label, ref.target.label, lv.clients, len(same), len(both),
+                           sum((c, 1) in same for c in clients), len(whole), len(clients)))
+        return out
+
+
+def agreements(runs: list[ServerRun]) -> list[Agreement]:
+    """Every server's replies against our first full-cache server's (none: no reference, no rows)."""
+    ref = next((r for r in runs if r.target.kind == "ours" and r.target.budget == "full"), None)
+    return [] if ref is None else [a for r in runs if r is not ref for a in Agreement.of(r, ref)]
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -278,7 +321,7 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
     body = request_body(model, messages, max_tokens)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     t0, first, last, text, usage, session_id = time.perf_counter(), None, None, [], {}, None
-    with httpx.stream("POST", f"{url}/chat/completions", json=body, headers=headers, timeout=600) as res:
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, headers=headers, timeout=1800) as res:
         if res.status_code != 200:
             text = res.read().decode(errors="replace")
             return TurnTiming(client, turn, res.status_code, None, None, 0, 0, error=f"{res.status_code}: {text[:200]}"), ""
@@ -298,7 +341,9 @@ def stream_turn(url: str, model: str, messages: list[dict], max_tokens: int, cli
     ttft = None if first is None else (first - t0) * 1e3
     tpot = None if first is None or n < 2 else (last - first) * 1e3 / (n - 1)
     span = None if first is None or n < 2 else (first, last)
-    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0), span, session_id), "".join(text)
+    reply = "".join(text)
+    return TurnTiming(client, turn, 200, ttft, tpot, n, usage.get("prompt_tokens", 0), span, session_id,
+                      reply=reply), reply
 
 
 def document(client: int, tokens: int) -> str:
@@ -502,6 +547,7 @@ def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, 
             "max_queue": bench.max_queue, "policy": bench.sessions_policy(),
             "budgets": list(bench.budgets), "packed": list(bench.packed), "document_tokens": bench.document_tokens,
             "servers": [r.to_json() for r in runs], "ratios": [asdict(x) for x in ratios],
+            "agreement": [asdict(x) for x in agreements(runs)],
             "levels": rows, "turns": per_turn}
 
 
@@ -562,6 +608,11 @@ def table(result: dict) -> str:
     if overhead:
         lines += ["", "with GET /metrics / without (tokens/s, side by side in this run):"]
         lines += [f"  {r['server']} N={r['clients']}: {r['vs_no_metrics']}" for r in overhead]
+    if result.get("agreement"):
+        lines += ["", f"replies equal to {result['agreement'][0]['reference']}'s, turn by turn (first turns; "
+                      "whole conversations):"]
+        lines += [f"  {x['server']} N={x['clients']}: {x['equal']}/{x['compared']} ({x['first_equal']}/"
+                  f"{x['conversations']}; {x['conversations_equal']}/{x['conversations']})" for x in result["agreement"]]
     if result.get("ratios"):
         ns = sorted({n for x in result["ratios"] for n in x["tokens_per_s"]}, key=int)
         lines += ["", "ours / theirs: TTFT first, later turns, decode per stream, "
