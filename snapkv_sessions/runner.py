@@ -56,8 +56,10 @@ class Forward:
 class Executor(Protocol):
     """Where a runner's model work runs (the model and the slots are touched by one thread at a time)."""
 
-    def call(self, fn: Callable[[], object]) -> object:
-        """``fn()``'s result (or its error), run where the model runs."""
+    def call(self, fn: Callable[[], object], remaining: int = 0) -> object:
+        """``fn()``'s result (or its error), run where the model runs. ``remaining``: the tokens the calling turn
+        has still to prefill, this call's included (0: not a prefill); an executor serving several sessions may
+        run the waiting call with the fewest first."""
         ...
 
     def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:
@@ -71,7 +73,7 @@ class Inline:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def call(self, fn: Callable[[], object]) -> object:
+    def call(self, fn: Callable[[], object], remaining: int = 0) -> object:
         return fn()
 
     def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:
@@ -250,10 +252,12 @@ class ModelRunner:
         )
         return out.logits[:, -1]  # (B, V)
 
-    def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None, *, whole: bool = False) -> torch.Tensor:
+    def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None, *, whole: bool = False,
+                 remaining: int = 0) -> torch.Tensor:
         """Feed ``ids`` at their true positions. ``whole``: a prefill, which attends to whatever the state's memory
-        holds of the history (a tier's cold part too); decode reads the hot cache alone."""
-        return self.executor.call(lambda: self._forward_now(state, ids, probe, whole))
+        holds of the history (a tier's cold part too); decode reads the hot cache alone. ``remaining``: the
+        prefill's tokens from these on (the executor's order)."""
+        return self.executor.call(lambda: self._forward_now(state, ids, probe, whole), remaining)
 
     @torch.inference_mode()
     def _forward_now(self, state: KVState, ids: list[int], probe: WindowProbe | None, whole: bool) -> torch.Tensor:
@@ -313,7 +317,7 @@ class ModelRunner:
                 continue
             last = hi == len(todo)
             interrupts.check()  # a deadline or a client gone stops a long prefill between chunks
-            logits = self._forward(state, todo[lo:hi], probe if last else None, whole=True)
+            logits = self._forward(state, todo[lo:hi], probe if last else None, whole=True, remaining=len(todo) - lo)
             state.append(todo[lo:hi], todo_flags[lo:hi], self.num_kv_heads, self.device)
         return logits, probe
 

@@ -7,8 +7,13 @@ One thread owns the model. Each iteration of its loop
    hands the tokens to the sessions' threads, and frees the slots of the replies that ended;
 2. admits waiting replies into free slots (:class:`~snapkv_sessions.batch.SlotPool`) and runs ONE forward that
    feeds every active session its token (each weight read once for all of them);
-3. runs one waiting call from a session thread: a prefill chunk (the runner's ``prefill_chunk`` bounds how long
-   it holds the others) or a compression, which touch that session's own cache only.
+3. runs a waiting call from a session thread, and more while the calls have taken less time than the step: a
+   prefill chunk (the runner's ``prefill_chunk`` bounds how long it holds the others) or a compression, which
+   touch that session's own cache only. The call whose turn has the fewest tokens left to prefill goes first
+   (a compression, with none left, before any chunk; ties in arrival order): a short turn does not wait behind
+   a long document, and of several documents arriving together each one's prefill finishes before the next
+   starts, so the first answers come after one document's prefill instead of all of them interleaved (vLLM's
+   scheduler is first come, first served).
 
 While nothing decodes, waiting calls run back to back. A session's reply is the one it would get alone: rows do
 not interact, and every session samples with its own generator (``tests/test_scheduler.py``).
@@ -26,6 +31,8 @@ change. The batched step runs the model through the runner's one forward path (:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
 import threading
 import time
@@ -44,6 +51,7 @@ from .runner import Inline
 from .state import KVState
 
 _END = object()  # a reply's last item on its queue
+FOLLOW_UP_S = 0.01  # how long the loop waits for a prefill's next chunk (or compression) to be queued
 _SCHEDULED: weakref.WeakSet = weakref.WeakSet()  # runners a live scheduler owns: one thread per model
 
 
@@ -94,7 +102,9 @@ class Scheduler:
         self.runner = runner.on(self)  # what the scheduler's sessions run on
         self.pool = SlotPool(runner.num_layers, slots, static)
         self.stats = SchedulerStats()
-        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
+        # waiting calls, a heap: (tokens left to prefill, arrival) orders them; the function and its future ride along
+        self._calls: list[tuple[int, int, Callable[[], object], Future]] = []
+        self._arrivals = itertools.count()
         self._joining: deque[Decoding] = deque()
         self._active: list[Decoding] = []  # sampling order: joined first, first served
         self._wake = threading.Condition()
@@ -105,16 +115,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the sessions' side
 
-    def call(self, fn: Callable[[], object]):
+    def call(self, fn: Callable[[], object], remaining: int = 0):
         """Run ``fn()`` on the scheduler's thread between two decode steps; returns its result or raises its
-        error. Called from the scheduler's own thread, it runs at once."""
+        error. Called from the scheduler's own thread, it runs at once. ``remaining``: the tokens the calling
+        turn has still to prefill, this call's included; the waiting call with the fewest runs first."""
         if threading.current_thread() is self.thread:
             return fn()
         future: Future = Future()
         with self._wake:
             if self._closing:
                 raise RuntimeError("the scheduler is closed")
-            self._calls.append((fn, future))
+            heapq.heappush(self._calls, (max(int(remaining), 0), next(self._arrivals), fn, future))
             self._wake.notify()
         return future.result()
 
@@ -162,19 +173,43 @@ class Scheduler:
                         return
                     self._active.extend(self._joining)
                     self._joining.clear()
-                    call = self._calls.popleft() if self._calls else None
+                    call = heapq.heappop(self._calls) if self._calls else None
                 t0 = time.perf_counter()
                 try:
                     self._sample()
                     self._step()
                 except BaseException as exc:  # noqa: BLE001 - every decoding reply is told, none hangs
                     self._fail_all(exc)
-                if call is not None:
-                    self._run_call(*call)
+                stepped, ran, left = time.perf_counter() - t0, 0, 0
+                while call is not None:
+                    left = call[0]
+                    self._run_call(*call[2:])
+                    ran += 1
+                    call = self._next_call(time.perf_counter() - t0 - stepped, stepped)
+                if left:
+                    self._await_follow_up(left)
                 if stats.active():
                     running = sum(item.slot is not None for item in self._active)
-                    stats.emit(stats.SchedulerStepStat(running, len(self._active) - running, int(call is not None),
+                    stats.emit(stats.SchedulerStepStat(running, len(self._active) - running, ran,
                                                        time.perf_counter() - t0))
+
+    def _next_call(self, spent: float, stepped: float) -> tuple[int, int, Callable[[], object], Future] | None:
+        """Another waiting call for this iteration while the calls have taken less time than its step: turns'
+        short calls (a compression, a follow-up's few tokens) do not each wait a whole batched step, and the
+        decoding replies still get at least half the time while both wait (a call started runs to its end)."""
+        if spent >= stepped:
+            return None
+        with self._wake:
+            return heapq.heappop(self._calls) if self._calls else None
+
+    def _await_follow_up(self, left: int) -> None:
+        """After a prefill chunk, wait a moment (at most ``FOLLOW_UP_S``) for its turn's next call: its thread
+        queues it only once the chunk's result reached it, and a call picked before then would interleave two
+        prompts' chunks (each finishing late) instead of finishing the one that has fewer tokens left."""
+        with self._wake:
+            self._wake.wait_for(lambda: self._closing or bool(self._joining)
+                                or bool(self._calls and self._calls[0][0] < left),
+                                timeout=FOLLOW_UP_S)
 
     def _run_call(self, fn: Callable[[], object], future: Future) -> None:
         self.stats.calls += 1

@@ -3,6 +3,7 @@ between the steps, each get the reply they get alone, token for token."""
 
 from __future__ import annotations
 
+import heapq
 import time
 
 import pytest
@@ -289,3 +290,100 @@ def test_a_tiny_temperature_among_others_decodes_greedily_and_fails_no_one():
     finally:
         scheduler.close()
     assert [got[i] for i in range(len(cases))] == alone
+
+
+def test_the_waiting_call_with_the_fewest_tokens_left_to_prefill_runs_first():
+    """Calls queued while the scheduler is busy run by tokens left to prefill (0, a compression, first), ties in
+    arrival order: a short turn does not wait behind a long document's chunks."""
+    import threading
+
+    scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1)
+    busy, ran = threading.Event(), []
+    try:
+        first = threading.Thread(target=scheduler.call, args=(busy.wait, 1))
+        first.start()
+        time.sleep(0.2)  # the scheduler's thread is now inside the first call
+        threads = []
+        for name, remaining in [("long", 4096), ("short-a", 12), ("compress", 0), ("short-b", 12), ("mid", 900)]:
+            th = threading.Thread(target=scheduler.call, args=(lambda name=name: ran.append(name), remaining))
+            th.start()
+            threads.append(th)
+            deadline = time.monotonic() + 5
+            while len(scheduler._calls) < len(threads) and time.monotonic() < deadline:
+                time.sleep(0.01)  # queued in this order
+        busy.set()
+        for th in [first, *threads]:
+            th.join(timeout=10)
+    finally:
+        scheduler.close()
+    assert ran == ["compress", "short-a", "short-b", "mid", "long"]
+
+
+def test_a_prefill_tells_its_executor_the_tokens_it_has_left():
+    from snapkv_sessions.runner import Inline
+
+    class Recording(Inline):
+        def __init__(self, runner):
+            super().__init__(runner)
+            self.seen = []
+
+        def call(self, fn, remaining=0):
+            self.seen.append(remaining)
+            return fn()
+
+    runner = ModelRunner(build_tiny("llama", layers=2), prefill_chunk=8)
+    executor = Recording(runner)
+    runner.executor = executor
+    state = runner.new_state()
+    runner.turn(state, list(range(3, 23)), CompressionConfig.make(budget=12, window=4),
+                GenerationConfig(max_new_tokens=2, eos_token_ids=()))
+    # 20 tokens in chunks of 8, then the compression and the one decode step (0 left: not a prefill)
+    assert executor.seen == [20, 12, 4, 0, 0]
+
+
+def test_calls_go_on_within_an_iteration_only_while_they_took_less_time_than_its_step():
+    scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1)
+    try:
+        with scheduler._wake:  # the loop is idle (waiting on this condition): queue two calls by hand
+            for remaining, name in [(30, "b"), (0, "a")]:
+                heapq.heappush(scheduler._calls, (remaining, next(scheduler._arrivals), name, None))
+        assert scheduler._next_call(0.5, 0.2) is None  # the calls took longer than the step: the step comes next
+        assert scheduler._next_call(0.0, 0.0) is None  # no step ran (nothing decodes): the loop itself goes on
+        assert scheduler._next_call(0.1, 0.2)[2] == "a" and scheduler._next_call(0.1, 0.2)[2] == "b"
+        assert scheduler._next_call(0.1, 0.2) is None  # none left
+    finally:
+        scheduler.close()
+
+
+def test_two_prompts_arriving_together_prefill_one_after_the_other(monkeypatch):
+    """Each thread queues its next chunk only once the previous one returned; the loop waits for it (bounded)
+    instead of starting the other prompt, so the chunks do not interleave."""
+    import threading
+
+    import snapkv_sessions.scheduler as sched
+
+    monkeypatch.setattr(sched, "FOLLOW_UP_S", 2.0)  # a loaded CI machine may take a while to wake a thread
+    scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1)
+    busy, ran = threading.Event(), []
+
+    def prompt(name):
+        for left in (40, 30, 20, 10, 0):  # four chunks of 10 tokens, then the compression
+            scheduler.call(lambda left=left: ran.append((name, left)), left)
+
+    try:
+        first = threading.Thread(target=scheduler.call, args=(busy.wait, 1))
+        first.start()
+        time.sleep(0.2)
+        threads = [threading.Thread(target=prompt, args=(name,)) for name in ("x", "y")]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + 5
+        while len(scheduler._calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        busy.set()
+        for th in [first, *threads]:
+            th.join(timeout=30)
+    finally:
+        scheduler.close()
+    names = [name for name, _ in ran]
+    assert len(ran) == 10 and names in (["x"] * 5 + ["y"] * 5, ["y"] * 5 + ["x"] * 5), ran
