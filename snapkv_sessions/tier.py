@@ -119,8 +119,14 @@ class ColdKV:
         self.lost = reason
 
 def _spread(slots: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
-    """Write ``slots`` (B, Hkv, S, D) into ``out`` (B, Hkv, N, D) at their true ``positions`` (B, Hkv, S)."""
-    out.scatter_(2, positions[..., None].expand(-1, -1, -1, slots.shape[-1]), slots)
+    """Write ``slots`` (B, Hkv, S, D) into ``out`` (B, Hkv, N, D) at their true ``positions`` (B, Hkv, S).
+
+    As rows of the flattened buffer: one row copy per slot (a ``scatter_`` along dim 2 indexes every element, and
+    took 4x as long at 8K slots on the CPU)."""
+    bsz, heads, n, dim = out.shape
+    base = torch.arange(bsz * heads, device=out.device).view(bsz, heads, 1) * n  # (B, Hkv, 1) each head's first row
+    rows = (base + positions).reshape(-1)  # (B * Hkv * S,)
+    out.view(-1, dim).index_copy_(0, rows, slots.reshape(-1, dim))
 
 
 def union(hot_keys: torch.Tensor, hot_values: torch.Tensor, hot_positions: torch.Tensor, cold: ColdLayer | None,
