@@ -164,7 +164,7 @@ def test_ratios_are_ours_over_theirs():
                                    [level(1, 20.0, 100.0, 100.0, 20.0, 400), level(4, 20.0, 0.0, 1.0, 1.0, None)])
     r = serve_bench.Ratios.of(ours, theirs)
     assert (r.ttft_first, r.ttft_later, r.stream_decode, r.rss) == (3.0, 0.5, 0.5, 0.75)  # rss: the largest read
-    assert r.tokens_per_s == {"1": 0.5, "4": 1.5} and r.ours == "ours batch=8,packed=False,budget=0.2"
+    assert r.tokens_per_s == {"1": 0.5, "4": 1.5} and r.ours == "ours batch=8,packed=auto,budget=0.2"
 
 
 def test_agreement_counts_turns_first_turns_and_whole_conversations_against_our_full_cache():

@@ -14,6 +14,7 @@ from snapkv_sessions import Session
 from snapkv_sessions.config import CompressionConfig
 from snapkv_sessions.errors import ConfigError
 from snapkv_sessions.generation import GenerationConfig
+from snapkv_sessions.packed import exact as packed_exact
 from snapkv_sessions.packed import is_packed, pack_linears, unpack_linears
 from snapkv_sessions.runner import ModelRunner
 from snapkv_sessions.scheduler import Scheduler
@@ -142,8 +143,31 @@ def test_packed_linears_equal_the_default_to_rounding_and_unpack_exactly():
         torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
         unpack_linears(model)
         assert not is_packed(model) and torch.equal(model(input_ids=ids).logits, plain)
-    with pytest.raises(ConfigError, match="packed_weights.*fp32"):
-        pack_linears(build_tiny("llama", layers=2).to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="packed_weights.*fp32 or bf16"):
+        pack_linears(build_tiny("llama", layers=2).to(torch.float16))
+
+
+@pytest.mark.skipif(not packed_exact(torch.bfloat16), reason="this CPU has no native bf16 (AVX-512 BF16 or AMX)")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_bf16_linears_give_the_same_bits_where_the_cpu_runs_bf16(kind):
+    """What lets serve pack a bf16 model by default: the prompt's logits and every greedy step's, bit for bit."""
+    model = build_tiny(kind, layers=3).to(torch.bfloat16)
+
+    def run():
+        state = runner.new_state()
+        logits, _ = runner.prefill(state, list(range(3, 70)))  # (V,)
+        steps = [logits]
+        for _ in range(6):
+            steps.append(runner.step(state, int(steps[-1].argmax())))  # (V,)
+        return torch.stack(steps)  # (7, V)
+
+    runner = ModelRunner(model)
+    plain = run()
+    pack_linears(model)
+    try:
+        assert torch.equal(run(), plain)
+    finally:
+        unpack_linears(model)
 
 
 # ---------------------------------------------------------------------- sessions on SmolLM2

@@ -101,7 +101,7 @@ class Target:
     key: str | None = None
     pid: int | None = None  # the process whose tree's RSS is read (ours started by the run: filled in at launch)
     batch: int | None = None  # ours: decode slots
-    packed: bool = False  # ours: packed linear weights
+    packed: bool | None = None  # ours: packed linear weights (None: serve's default, packed where that is exact)
     budget: Budget | None = None  # ours: "full", a ratio, a token budget, or "policy"
     metrics: bool = True  # ours: GET /metrics and its sink (False: serve --no-metrics)
 
@@ -109,7 +109,8 @@ class Target:
     def label(self) -> str:
         if self.kind == "against":
             return f"{self.url} ({self.model})"
-        parts = [f"batch={self.batch}", f"packed={self.packed}", *([] if self.metrics else ["metrics=off"])]
+        packed = "auto" if self.packed is None else self.packed
+        parts = [f"batch={self.batch}", f"packed={packed}", *([] if self.metrics else ["metrics=off"])]
         return "ours " + ",".join([*parts, f"budget={self.budget}"] if self.budget is not None else parts)
 
 
@@ -442,7 +443,7 @@ class ServeBench:
     max_queue: int = 16
     policy: str | None = None  # a policy name or YAML path; None: ``budget``
     budget: int = 512
-    packed: tuple[bool, ...] = (False,)  # servers with and/or without packed linear weights (snapkv_sessions.packed)
+    packed: tuple[bool | None, ...] = (None,)  # servers with and/or without packed linear weights (None: serve's default)
     metrics: tuple[bool, ...] = (True,)  # servers with and/or without GET /metrics (serve --no-metrics)
     document_tokens: int = 0  # each client's first message starts with a document of about this many tokens
     budgets: tuple[float | str, ...] = ()  # one server per value: "full" or a budget ratio; (): ``budget``/``policy``
@@ -527,7 +528,7 @@ def run(bench: ServeBench, base_url: str | None = None, key: str | None = None, 
             per_turn[f"{r.target.label},N={lv.clients}"] = [asdict(t) for t in lv.per_turn]
     # the baseline: our server at one turn at a time and the same budget, unpacked when that ran, else packed
     serial = {}
-    for r in sorted((r for r in rows if r["kind"] == "ours" and r["metrics"]), key=lambda r: r["packed"],
+    for r in sorted((r for r in rows if r["kind"] == "ours" and r["metrics"]), key=lambda r: bool(r["packed"]),
                     reverse=True):
         if r["batch"] == 0:
             serial[(r["budget"], r["clients"])] = r
@@ -556,7 +557,8 @@ def _one_server(bench: ServeBench, target: Target, log) -> ServerRun:
     if target.kind == "ours" and url is None:
         folder = Path(tempfile.mkdtemp(prefix="snapkv-bench-serve-"))
         proc, url = launch(bench, folder, "--max-queue", str(bench.max_queue), "--batch", str(target.batch),
-                           *(["--packed-weights"] if target.packed else []),
+                           *(["--packed-weights"] if target.packed else
+                             ["--no-packed-weights"] if target.packed is False else []),
                            *([] if target.metrics else ["--no-metrics"]),
                            budget=None if not bench.budgets else target.budget)
         pid = proc.pid
@@ -598,7 +600,7 @@ def table(result: dict) -> str:
             if server["server"] is not None and r.get("server") != server["server"]:
                 continue
             c = {k: "-" if v is None else str(v) for k, v in r.items()}
-            packed = "-" if r.get("kind") == "against" else "yes" if r["packed"] else "no"
+            packed = "-" if r.get("kind") == "against" else {True: "yes", False: "no", None: "auto"}[r["packed"]]
             lines.append(f"{c['batch']:>5} {packed:>6} {c.get('budget', '-'):>6} "
                          f"{r['clients']:>3} {r['turns']:>5} {c['tokens_per_s']:>7} {c['speedup']:>5} "
                          f"{c['decode_tokens_per_s']:>8} {c['decode_speedup']:>5} {c['ttft_ms_p50']:>9} "

@@ -263,8 +263,9 @@ def bench_forks(model, requests, batch, document_tokens, boundaries, out, as_jso
 @click.option("--budgets", default=None,
               help="Our servers at several budgets side by side, e.g. full,0.5,0.2: 'full' (no compression) or "
                    "budget ratios in (0, 1] (compression.budget_ratio, replacing --budget or the policy's budget).")
-@click.option("--packed-weights", type=click.Choice(["off", "on", "both"]), default="off", show_default=True,
-              help="Servers with packed linear weights (serve --packed-weights), without, or both side by side.")
+@click.option("--packed-weights", type=click.Choice(["auto", "off", "on", "both"]), default="auto", show_default=True,
+              help="Servers with packed linear weights (serve --packed-weights), without (--no-packed-weights), both "
+                   "side by side, or serve's default (auto: packed for bf16 on a CPU with native bf16).")
 @click.option("--metrics", "metrics", type=click.Choice(["on", "off", "both"]), default="on", show_default=True,
               help="Servers with GET /metrics (the default), without (serve --no-metrics), or both side by side: "
                    "the vs_no_metrics ratio is what the metrics cost.")
@@ -308,7 +309,8 @@ def bench_serve(model, clients, turns, max_tokens, batches, budget, budgets, pac
     spec = serve_bench.ServeBench(model, _int_list("clients", clients), turns=turns, max_tokens=max_tokens,
                                   batches=tuple(_int_list("batch", batches)), max_queue=max_queue, policy=policy,
                                   budget=budget,
-                                  packed={"off": (False,), "on": (True,), "both": (False, True)}[packed_weights],
+                                  packed={"auto": (None,), "off": (False,), "on": (True,),
+                                          "both": (False, True)}[packed_weights],
                                   metrics={"on": (True,), "off": (False,), "both": (False, True)}[metrics],
                                   document_tokens=max(0, document_tokens),
                                   budgets=_budget_list(budgets) if budgets is not None else (), ours=not against_only)

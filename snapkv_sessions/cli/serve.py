@@ -51,8 +51,9 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--max-body-mb", default=8.0, show_default=True, help="Largest request body accepted (413 past it).")
 @click.option("--batch", default=8, show_default=True,
               help="Decode slots: turns decoded together in one forward per step (0: one turn at a time).")
-@click.option("--packed-weights", is_flag=True,
-              help="CPU, fp32: run linear layers on weights packed once (faster batched steps; equal to rounding).")
+@click.option("--packed-weights/--no-packed-weights", default=None,
+              help="CPU: run linear layers on weights packed once (faster steps). Default: on for bf16 on a CPU with "
+                   "native bf16 (the same bits), off for fp32 (equal to rounding, not bit for bit).")
 @click.option("--ray", "on_ray", is_flag=True,
               help="Run as a Ray Serve application on a local Ray started on 127.0.0.1 (docs/ray.md).")
 @click.option("--replicas", default=2, show_default=True, help="With --ray: engine replicas.")
@@ -91,9 +92,8 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
     json_logs = log_format == "json"
     stats.configure_logging("INFO", log_format)
     model = ModelSpec.parse(model, dtype).model_id  # the id its sessions are stored under: name@dtype
-    if packed_weights and ModelSpec.parse(model).dtype != "float32":
-        raise click.ClickException(f"--packed-weights packs float32 weights; this server runs {model!r} "
-                                   "(add --dtype float32)")
+    if packed_weights and ModelSpec.parse(model).dtype not in ("float32", "bfloat16"):
+        raise click.ClickException(f"--packed-weights packs float32 or bfloat16 weights; this server runs {model!r}")
     if not keys and host not in LOOPBACK:
         _say(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it can use "
              "and read every session", json_logs, logging.WARNING)

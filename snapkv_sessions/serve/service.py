@@ -71,14 +71,15 @@ class Capacity:
 
     max_live: sessions kept in memory (others are rebuilt from the store when used); max_tokens: the reply cap of a
     request that names none; batch: decode slots, the turns decoded together (0: one turn at a time);
-    packed_weights: run the model's linear layers on weights packed once (:mod:`snapkv_sessions.packed`);
+    packed_weights: run the model's linear layers on weights packed once (:mod:`snapkv_sessions.packed`); None:
+    when that gives the same bits (a bf16 model on a CPU with native bf16: :func:`~snapkv_sessions.packed.exact`);
     keep_boundaries: see :meth:`Service._keep_boundary`.
     """
 
     max_live: int = 16
     max_tokens: int = 256
     batch: int = 0
-    packed_weights: bool = False
+    packed_weights: bool | None = None
     keep_boundaries: bool = True  # forks of a conversation sent again at once start from its kept turn boundary
 
     def __post_init__(self) -> None:
@@ -235,10 +236,11 @@ class Service(Router):
         self._guard = threading.Lock()  # the live LRU and the claims
         self._claims: dict[str, _Claim] = {}
         self._boundaries: OrderedDict[str, tuple[float, Snapshot]] = OrderedDict()  # prefix head -> (kept at, it)
-        if capacity.packed_weights:
-            from ..packed import pack_linears
+        from .. import packed
 
-            pack_linears(self.runner.model, rows=8)
+        if capacity.packed_weights or (capacity.packed_weights is None
+                                       and packed.exact(next(self.runner.model.parameters()).dtype)):
+            packed.pack_linears(self.runner.model, rows=8)
         # admits a request that starts a session before the session exists (a live session admits its own)
         self.admission = Admission(self.policy.limits, store, None, self.runner.tokenizer,
                                    getattr(self.runner.model.config, "max_position_embeddings", None),
