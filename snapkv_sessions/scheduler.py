@@ -9,11 +9,12 @@ One thread owns the model. Each iteration of its loop
    feeds every active session its token (each weight read once for all of them);
 3. runs a waiting call from a session thread, and more while the calls have taken less time than the step: a
    prefill chunk (the runner's ``prefill_chunk`` bounds how long it holds the others) or a compression, which
-   touch that session's own cache only. The call whose turn has the fewest tokens left to prefill goes first
-   (a compression, with none left, before any chunk; ties in arrival order): a short turn does not wait behind
-   a long document, and of several documents arriving together each one's prefill finishes before the next
-   starts, so the first answers come after one document's prefill instead of all of them interleaved (vLLM's
-   scheduler is first come, first served).
+   touch that session's own cache only. The call whose turn would end first if run alone goes first: its
+   start plus its tokens left to prefill at ``PREFILL_RATE`` (a compression has none left). Among turns that
+   began together that is the fewest tokens left: a short turn does not wait behind a long document, and of
+   several documents arriving together each one's prefill finishes before the next starts, so the first answers
+   come after one document's prefill instead of all of them interleaved (vLLM's scheduler is first come, first
+   served); and a long prompt that has waited overtakes newer short turns in time, so none starves.
 
 While nothing decodes, waiting calls run back to back. A session's reply is the one it would get alone: rows do
 not interact, and every session samples with its own generator (``tests/test_scheduler.py``).
@@ -52,6 +53,11 @@ from .state import KVState
 
 _END = object()  # a reply's last item on its queue
 FOLLOW_UP_S = 0.01  # how long the loop waits for a prefill's next chunk (or compression) to be queued
+# the prefill rate the order assumes (tokens/s, about this project's 0.5B model on 2 cores): a waiting call's key is
+# when its turn would end if run alone from its start, so the fewest tokens left go first among turns that began
+# together, and a long prompt that has waited overtakes newer short ones in time instead of starving
+PREFILL_RATE = 256.0
+_clock = time.monotonic  # the order's clock (a test sets its own)
 _SCHEDULED: weakref.WeakSet = weakref.WeakSet()  # runners a live scheduler owns: one thread per model
 
 
@@ -102,9 +108,11 @@ class Scheduler:
         self.runner = runner.on(self)  # what the scheduler's sessions run on
         self.pool = SlotPool(runner.num_layers, slots, static)
         self.stats = SchedulerStats()
-        # waiting calls, a heap: (tokens left to prefill, arrival) orders them; the function and its future ride along
-        self._calls: list[tuple[int, int, Callable[[], object], Future]] = []
+        # waiting calls, a heap: (key, arrival) orders them (:meth:`_key`); tokens left, the function and its future
+        # ride along
+        self._calls: list[tuple[float, int, int, Callable[[], object], Future]] = []
         self._arrivals = itertools.count()
+        self._turns: dict[int, tuple[float, int]] = {}  # a thread mid-prefill: (its turn's start, tokens left then)
         self._joining: deque[Decoding] = deque()
         self._active: list[Decoding] = []  # sampling order: joined first, first served
         self._wake = threading.Condition()
@@ -125,9 +133,23 @@ class Scheduler:
         with self._wake:
             if self._closing:
                 raise RuntimeError("the scheduler is closed")
-            heapq.heappush(self._calls, (max(int(remaining), 0), next(self._arrivals), fn, future))
+            left = max(int(remaining), 0)
+            heapq.heappush(self._calls, (self._key(left), next(self._arrivals), left, fn, future))
             self._wake.notify()
         return future.result()
+
+    def _key(self, left: int) -> float:
+        """When the calling thread's turn would end alone: its start plus ``left`` tokens at ``PREFILL_RATE``. A
+        call with fewer tokens left than the same thread's previous one continues that turn's prefill (its next
+        chunk, or the compression after it) and keeps its start; any other call starts a turn now. Called with
+        the lock held."""
+        now, me = _clock(), threading.get_ident()
+        start, before = self._turns.pop(me, (now, 0))
+        if not 0 <= left < before:
+            start = now
+        if left:
+            self._turns[me] = (start, left)
+        return start + left / PREFILL_RATE
 
     def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:
         """The reply's tokens as the scheduler samples them (the end token excluded). When it ends, ``state``
@@ -180,20 +202,20 @@ class Scheduler:
                     self._step()
                 except BaseException as exc:  # noqa: BLE001 - every decoding reply is told, none hangs
                     self._fail_all(exc)
-                stepped, ran, left = time.perf_counter() - t0, 0, 0
+                stepped, ran, last = time.perf_counter() - t0, 0, None
                 while call is not None:
-                    left = call[0]
-                    self._run_call(*call[2:])
+                    last = call
+                    self._run_call(*call[3:])
                     ran += 1
                     call = self._next_call(time.perf_counter() - t0 - stepped, stepped)
-                if left:
-                    self._await_follow_up(left)
+                if last is not None and last[2]:  # a prefill chunk ran: its turn's next call comes at once
+                    self._await_follow_up(last[0])
                 if stats.active():
                     running = sum(item.slot is not None for item in self._active)
                     stats.emit(stats.SchedulerStepStat(running, len(self._active) - running, ran,
                                                        time.perf_counter() - t0))
 
-    def _next_call(self, spent: float, stepped: float) -> tuple[int, int, Callable[[], object], Future] | None:
+    def _next_call(self, spent: float, stepped: float) -> tuple[float, int, int, Callable[[], object], Future] | None:
         """Another waiting call for this iteration while the calls have taken less time than its step: turns'
         short calls (a compression, a follow-up's few tokens) do not each wait a whole batched step, and the
         decoding replies still get at least half the time while both wait (a call started runs to its end)."""
@@ -202,13 +224,14 @@ class Scheduler:
         with self._wake:
             return heapq.heappop(self._calls) if self._calls else None
 
-    def _await_follow_up(self, left: int) -> None:
-        """After a prefill chunk, wait a moment (at most ``FOLLOW_UP_S``) for its turn's next call: its thread
-        queues it only once the chunk's result reached it, and a call picked before then would interleave two
-        prompts' chunks (each finishing late) instead of finishing the one that has fewer tokens left."""
+    def _await_follow_up(self, key: float) -> None:
+        """After a prefill chunk (whose key was ``key``), wait a moment (at most ``FOLLOW_UP_S``) for its turn's
+        next call, whose key is smaller: its thread queues it only once the chunk's result reached it, and a call
+        picked before then would interleave two prompts' chunks (each finishing late) instead of finishing the one
+        that would end first."""
         with self._wake:
             self._wake.wait_for(lambda: self._closing or bool(self._joining)
-                                or bool(self._calls and self._calls[0][0] < left),
+                                or bool(self._calls and self._calls[0][0] < key),
                                 timeout=FOLLOW_UP_S)
 
     def _run_call(self, fn: Callable[[], object], future: Future) -> None:

@@ -316,11 +316,15 @@ def test_a_tiny_temperature_among_others_decodes_greedily_and_fails_no_one():
     assert [got[i] for i in range(len(cases))] == alone
 
 
-def test_the_waiting_call_with_the_fewest_tokens_left_to_prefill_runs_first():
+def test_the_waiting_call_with_the_fewest_tokens_left_to_prefill_runs_first(monkeypatch):
     """Calls queued while the scheduler is busy run by tokens left to prefill (0, a compression, first), ties in
-    arrival order: a short turn does not wait behind a long document's chunks."""
+    arrival order: a short turn does not wait behind a long document's chunks. (A slow assumed prefill rate makes
+    the tokens outweigh the milliseconds between the calls' arrivals.)"""
     import threading
 
+    import snapkv_sessions.scheduler as sched
+
+    monkeypatch.setattr(sched, "PREFILL_RATE", 1e-3)
     scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1)
     busy, ran = threading.Event(), []
     try:
@@ -369,11 +373,11 @@ def test_calls_go_on_within_an_iteration_only_while_they_took_less_time_than_its
     scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1)
     try:
         with scheduler._wake:  # the loop is idle (waiting on this condition): queue two calls by hand
-            for remaining, name in [(30, "b"), (0, "a")]:
-                heapq.heappush(scheduler._calls, (remaining, next(scheduler._arrivals), name, None))
+            for key, name in [(30.0, "b"), (0.0, "a")]:
+                heapq.heappush(scheduler._calls, (key, next(scheduler._arrivals), 0, name, None))
         assert scheduler._next_call(0.5, 0.2) is None  # the calls took longer than the step: the step comes next
         assert scheduler._next_call(0.0, 0.0) is None  # no step ran (nothing decodes): the loop itself goes on
-        assert scheduler._next_call(0.1, 0.2)[2] == "a" and scheduler._next_call(0.1, 0.2)[2] == "b"
+        assert scheduler._next_call(0.1, 0.2)[3] == "a" and scheduler._next_call(0.1, 0.2)[3] == "b"
         assert scheduler._next_call(0.1, 0.2) is None  # none left
     finally:
         scheduler.close()
@@ -411,3 +415,37 @@ def test_two_prompts_arriving_together_prefill_one_after_the_other(monkeypatch):
         scheduler.close()
     names = [name for name, _ in ran]
     assert len(ran) == 10 and names in (["x"] * 5 + ["y"] * 5, ["y"] * 5 + ["x"] * 5), ran
+
+
+def test_a_long_prompt_that_waited_goes_before_newer_short_turns(monkeypatch):
+    """A call's key is when its turn would end alone (its start plus its tokens left at PREFILL_RATE): a short
+    turn arriving soon after a long one goes first, one arriving later does not, so the long one cannot starve."""
+    import threading
+
+    import snapkv_sessions.scheduler as sched
+
+    clock = [100.0]
+    monkeypatch.setattr(sched, "_clock", lambda: clock[0])
+    monkeypatch.setattr(sched, "PREFILL_RATE", 256.0)
+    scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1)
+
+    def elsewhere(left):  # a call from another session's thread
+        got = []
+        th = threading.Thread(target=lambda: got.append(scheduler._key(left)))
+        th.start()
+        th.join()
+        return got[0]
+
+    try:
+        assert scheduler._key(8192) == 132.0  # a long prompt starts at 100: 32 s of prefill
+        clock[0] = 110.0
+        assert scheduler._key(4096) == 116.0  # its next chunk keeps the turn's start
+        assert elsewhere(20) == 110.0 + 20 / 256  # a short turn arriving now ends first: it goes first
+        clock[0] = 117.0
+        assert elsewhere(20) == 117.0 + 20 / 256  # arriving later than the long one would end: after it
+        clock[0] = 130.0
+        assert scheduler._key(0) == 100.0  # the long turn's compression, after its last chunk
+        clock[0] = 140.0
+        assert scheduler._key(512) == 142.0  # the same thread's next turn starts anew
+    finally:
+        scheduler.close()
