@@ -11,7 +11,7 @@ In fp32 the results equal the default ``linear`` to float rounding, not bit for 
 so an fp32 model is packed only when asked (``snapkv-sessions serve --packed-weights``): records made with packed
 weights are verified by a process that packs too. In bf16 on a CPU that runs bf16 natively (AVX-512 BF16 or AMX),
 the default ``linear`` already runs oneDNN's matmul, re-packing the weight at each call: packed once, the results
-are the same bits (:func:`exact`; ``tests/test_packed.py`` checks prompts and decode steps), and a one-row decode
+are the same bits (:func:`exact`; ``tests/test_scheduler.py`` checks prompts and decode steps), and a one-row decode
 step of Qwen2.5-Coder-0.5B took 91 ms against 114 ms at a 1.3K-token context (122 against 146 ms at 2.8K), so
 ``serve`` packs a bf16 model there unless told not to.
 """
@@ -23,6 +23,7 @@ import torch
 from .errors import ConfigError
 
 _PACKED = "_snapkv_packed"
+DTYPES = ("float32", "bfloat16")  # the weight dtypes oneDNN's packed linear takes here
 
 
 def available() -> bool:
@@ -49,7 +50,7 @@ def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
         if not isinstance(module, torch.nn.Linear) or hasattr(module, _PACKED):
             continue
         weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        if weight.device.type != "cpu" or str(weight.dtype).removeprefix("torch.") not in DTYPES:
             raise ConfigError("packed_weights", f"{name}: {weight.dtype} on {weight.device}",
                               "packs fp32 or bf16 weights on the CPU only")
         with torch.no_grad():

@@ -58,8 +58,8 @@ class Executor(Protocol):
 
     def call(self, fn: Callable[[], object], remaining: int = 0) -> object:
         """``fn()``'s result (or its error), run where the model runs. ``remaining``: the tokens the calling turn
-        has still to prefill, this call's included (0: not a prefill); an executor serving several sessions may
-        run the waiting call with the fewest first."""
+        has still to prefill, this call's included (0: not a prefill); an executor serving several sessions
+        orders waiting calls by it (the scheduler: by when each turn would end alone)."""
         ...
 
     def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:

@@ -126,7 +126,7 @@ class Scheduler:
     def call(self, fn: Callable[[], object], remaining: int = 0):
         """Run ``fn()`` on the scheduler's thread between two decode steps; returns its result or raises its
         error. Called from the scheduler's own thread, it runs at once. ``remaining``: the tokens the calling
-        turn has still to prefill, this call's included; the waiting call with the fewest runs first."""
+        turn has still to prefill, this call's included; waiting calls run in :meth:`_key` order."""
         if threading.current_thread() is self.thread:
             return fn()
         future: Future = Future()

@@ -92,8 +92,12 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
     json_logs = log_format == "json"
     stats.configure_logging("INFO", log_format)
     model = ModelSpec.parse(model, dtype).model_id  # the id its sessions are stored under: name@dtype
-    if packed_weights and ModelSpec.parse(model).dtype not in ("float32", "bfloat16"):
-        raise click.ClickException(f"--packed-weights packs float32 or bfloat16 weights; this server runs {model!r}")
+    if packed_weights:
+        from ..packed import DTYPES as PACKABLE
+
+        if ModelSpec.parse(model).dtype not in PACKABLE:
+            raise click.ClickException(f"--packed-weights packs {' or '.join(PACKABLE)} weights; this server runs "
+                                       f"{model!r}")
     if not keys and host not in LOOPBACK:
         _say(f"warning: no --api-key, and --host {host} is not a loopback address: anyone who can reach it can use "
              "and read every session", json_logs, logging.WARNING)
