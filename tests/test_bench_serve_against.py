@@ -191,6 +191,14 @@ def test_agreement_counts_turns_first_turns_and_whole_conversations_against_our_
     assert "3/4 (1/2; 1/2)" in text and "2/2 (2/2; 2/2)" in text
 
 
+def test_step_figures_are_the_metrics_deltas_per_step(fakes):
+    assert serve_bench.step_figures((1.0, 10.0, 10.0), (3.0, 20.0, 30.0)) == (200.0, 2.0)
+    assert serve_bench.step_figures((1.0, 10.0, 10.0), (1.0, 10.0, 10.0)) == (None, None)  # no step between
+    assert serve_bench.step_figures(None, (1.0, 1.0, 1.0)) == (None, None)
+    assert serve_bench.step_totals(fakes[0].url) is None  # a server without our series
+    assert serve_bench.step_totals(f"http://127.0.0.1:{_free_port()}/v1") is None  # nobody there
+
+
 def test_tree_rss_counts_the_children():
     import subprocess
     import sys
@@ -227,6 +235,9 @@ def test_ours_at_two_budgets_beside_another_server(tmp_path):
     assert [(r["kind"], r["budget"], r["turns"], r["errors"]) for r in out["levels"]] == [
         ("ours", "full", 2, 0), ("ours", 0.5, 2, 0), ("against", None, 2, 0)]
     assert [r["speedup"] for r in out["levels"]] == [1.0, 1.0, None]  # each budget's own one-at-a-time server
+    # our servers' own decode step beside the clients' TPOT (GET /metrics); the other server has no such series
+    assert [(r["step_rows_mean"], r["step_ms_mean"] is not None and r["step_ms_mean"] > 0)
+            for r in out["levels"]] == [(1.0, True), (1.0, True), (None, False)]
     ours = [s for s in out["servers"] if s["kind"] == "ours"]
     assert all(s["rss_bytes"] > 50 << 20 for s in ours)  # our server's process tree, read from /proc
     assert [(x["ours"].split("budget=")[1], x["theirs"]) for x in out["ratios"]] == [

@@ -85,6 +85,10 @@ class Level:
     error_samples: list[str]
     per_turn: list[TurnTiming] = field(repr=False)
     rss_bytes: int | None = None  # the server's, read once the level ended
+    # ours with GET /metrics: the mean seconds of a decode step's forward and rows per step over the level, as the
+    # server's scheduler timed them; beside TPOT, what the server adds to each token over its batched step
+    step_ms_mean: float | None = None
+    step_rows_mean: float | None = None
 
     def to_json(self) -> dict:
         """The level's figures for the result JSON, without its per-turn records."""
@@ -244,6 +248,41 @@ def served_model(url: str, api_key: str | None = None, hint: str = "give --model
     except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise EndpointError(f"url={url[:200]!r}: GET /models gave no model id ({exc.__class__.__name__}: "
                             f"{str(exc)[:200]}); {hint}") from None
+
+
+STEP_SERIES = ("snapkv:decode_step_seconds_sum", "snapkv:decode_step_seconds_count", "snapkv:decode_batch_size_sum")
+
+
+def step_totals(url: str, key: str | None = None) -> tuple[float, ...] | None:
+    """The server's running totals of :data:`STEP_SERIES` (summed over its model labels) from ``GET /metrics`` at
+    the root of ``url`` (its ``/v1`` left off); None when it has no such endpoint or series (another server, or
+    ours with ``--no-metrics``)."""
+    root = url.removesuffix("/").removesuffix("/v1")
+    try:
+        resp = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {key}"} if key else None, timeout=10)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:
+        return None
+    totals = dict.fromkeys(STEP_SERIES, 0.0)
+    seen = False
+    for line in resp.text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            try:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                return None
+            seen = True
+    return tuple(totals[k] for k in STEP_SERIES) if seen else None
+
+
+def step_figures(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> tuple[float | None, float | None]:
+    """(mean ms per decode step, mean rows per step) between two :func:`step_totals` readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None, None
+    steps = after[1] - before[1]
+    return round(1e3 * (after[0] - before[0]) / steps, 1), round((after[2] - before[2]) / steps, 2)
 
 
 def tree_rss_bytes(pid: int) -> int | None:
@@ -566,11 +605,14 @@ def _one_server(bench: ServeBench, target: Target, log) -> ServerRun:
     try:
         stream_turn(url, model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, target.key)  # load, first forward
         for n in bench.levels:
+            before = step_totals(url, target.key) if target.kind == "ours" else None
             lv = run_clients(url, model, n, bench, target.key)
             lv.rss_bytes = tree_rss_bytes(pid) if pid else None
+            lv.step_ms_mean, lv.step_rows_mean = step_figures(before, step_totals(url, target.key) if before else None)
             log(f"{target.label} N={n}: {lv.tokens_per_s} tok/s, TTFT p50 {lv.ttft_ms_p50} ms "
                 f"(first/later turns {lv.ttft_first_ms_p50}/{lv.ttft_later_ms_p50}), TPOT p50/p95 "
-                f"{lv.tpot_ms_p50}/{lv.tpot_ms_p95} ms, 429s {lv.status_429}, errors {lv.errors}")
+                f"{lv.tpot_ms_p50}/{lv.tpot_ms_p95} ms (the server's step {lv.step_ms_mean} ms, {lv.step_rows_mean} rows), "
+                f"429s {lv.status_429}, errors {lv.errors}")
             levels.append(lv)
     except httpx.HTTPError as exc:
         raise EndpointError(f"{target.label[:240]}: {type(exc).__name__}: {str(exc)[:200]}") from None
@@ -587,7 +629,7 @@ def _mib(n: int | None) -> str:
 
 def table(result: dict) -> str:
     head = (f"{'batch':>5} {'packed':>6} {'budget':>6} {'N':>3} {'turns':>5} {'tok/s':>7} {'x':>5} {'decode/s':>8} "
-            f"{'x':>5} {'TTFT p50':>9} {'1st':>9} {'later':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'429':>4} "
+            f"{'x':>5} {'TTFT p50':>9} {'1st':>9} {'later':>9} {'TPOT p50':>9} {'TPOT p95':>9} {'step':>7} {'429':>4} "
             f"{'errors':>6}")
     lines = []
     for server in result.get("servers") or [{"server": None}]:
@@ -605,7 +647,8 @@ def table(result: dict) -> str:
                          f"{r['clients']:>3} {r['turns']:>5} {c['tokens_per_s']:>7} {c['speedup']:>5} "
                          f"{c['decode_tokens_per_s']:>8} {c['decode_speedup']:>5} {c['ttft_ms_p50']:>9} "
                          f"{c.get('ttft_first_ms_p50', '-'):>9} {c.get('ttft_later_ms_p50', '-'):>9} "
-                         f"{c['tpot_ms_p50']:>9} {c['tpot_ms_p95']:>9} {r['status_429']:>4} {r['errors']:>6}")
+                         f"{c['tpot_ms_p50']:>9} {c['tpot_ms_p95']:>9} {c.get('step_ms_mean', '-'):>7} {r['status_429']:>4} "
+                         f"{r['errors']:>6}")
     overhead = [r for r in result["levels"] if r.get("vs_no_metrics") is not None]
     if overhead:
         lines += ["", "with GET /metrics / without (tokens/s, side by side in this run):"]

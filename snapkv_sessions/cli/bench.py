@@ -582,6 +582,28 @@ def bench_dtype(model, n_prompts, max_new_tokens, out, as_json) -> None:
     _emit(result.to_json(), out, as_json, lambda _: dtype.table(result))
 
 
+@bench.command("compile")
+@click.option("--model", default="smollm2-135m-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
+@click.option("--rows", default="1,8", show_default=True, help="Comma-separated sessions per step.")
+@click.option("--context", default=1024, show_default=True, help="Tokens in the cache before the steps.")
+@click.option("--steps", default=16, show_default=True, help="Greedy steps timed per round (two rounds each).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help="Weights' dtype (auto: bf16 where the CPU runs it natively).")
+@click.option("--backend", default="inductor", show_default=True, help="torch.compile backend.")
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_compile(model, rows, context, steps, dtype, backend, out, as_json) -> None:
+    """A decode step eager against torch.compile (static cache), side by side: time per step and equal tokens."""
+    from ..bench import compile as compiled
+
+    quiet_loaders()
+    counts = _int_list("rows", rows)
+    with progress.task(f"bench compile: {len(counts)} row count(s), eager and {backend}"):
+        result = compiled.run(model, counts, context, steps, dtype, backend)
+    _emit(result.to_json(), out, as_json, lambda _: compiled.table(result), bulky="none")
+
+
 @bench.command("ruler-client")
 @click.option("--url", required=True, help="The server's base URL, e.g. http://127.0.0.1:8000/v1.")
 @click.option("--model", default=None, help="The model id sent in requests (default: the server's GET /models).")
