@@ -171,8 +171,9 @@ def key_terms(query: str, context: str | None = None) -> list[str]:
     """Identifiers, numbers and names in ``query`` (question and filler words left out).
 
     Names are runs of capitalised words; with ``context`` (the conversation), also lowercase runs of two or three
-    words that occur there ("blue widget"), and a single capitalised word at the start of a sentence counts only
-    when the context has it ("Draft a reply" names nothing; "Priya, which office?" does).
+    words that occur there ("blue widget"), single lowercase words that key a few of its lines ("lynx" for a line
+    "lynx: owner Ana, ..."; :func:`line_keys`), and a single capitalised word at the start of a sentence counts
+    only when the context has it ("Draft a reply" names nothing; "Priya, which office?" does).
     """
     seen: list[str] = []
     for match in KEY_TERM.finditer(query):
@@ -187,7 +188,30 @@ def key_terms(query: str, context: str | None = None) -> list[str]:
             seen.append(term)
     if context is not None:
         seen += [t for t in lowercase_names(query, context) if t not in seen]
+        keys = line_keys(context)
+        seen += [w for w in dict.fromkeys(re.findall(r"[a-z][a-z-]+", query))
+                 if w in keys and not any(names_known(w, [t]) for t in seen)]
     return seen
+
+
+# a lowercase word opening a line (after a bullet, a number or a table bar) and followed by a field separator
+LINE_KEY = re.compile(r"^[ \t]*(?:[-*\u2022|>]+[ \t]*|\d+[.)][ \t]+)?([a-z][a-z-]{2,})"
+                      r"(?=\t|[ \t]*(?:[:,;|(=]|[-\u2013\u2014][ \t]))", re.MULTILINE)
+KEY_LINES = 3  # a word that begins more lines than this is a field or a common word, not one record's name
+
+
+def line_keys(context: str) -> frozenset[str]:
+    """Lowercase words that begin at most :data:`KEY_LINES` lines of ``context`` (after a bullet, a number or a
+    table bar) and are followed there by a field separator (``: , ; | ( =``, a tab or a spaced dash), stop words
+    left out: the keys of records named by one ordinary word ("lynx: owner Ana, ...", "- lynx, Ana, 12 May",
+    "| lynx | Ana |"). A line of prose ("make it shorter", a reply's sentence) has no separator after its first
+    word; a field that begins a line of every record ("owner: Ana") begins too many."""
+    counts: dict[str, int] = {}
+    for match in LINE_KEY.finditer(context):
+        word = match.group(1)
+        if word not in STOP_WORDS:
+            counts[word] = counts.get(word, 0) + 1
+    return frozenset(w for w, n in counts.items() if n <= KEY_LINES)
 
 
 def lowercase_names(query: str, context: str) -> list[str]:

@@ -160,6 +160,28 @@ def test_key_terms_read_names_in_the_context():
     assert not new_subject(key_terms("Is the steel bracket in stock?", context), ["steel bracket"])
 
 
+@pytest.mark.parametrize("layout", ["lynx: owner Ana, due 3 May.", "lynx,Ana,3 May", "lynx\tAna\t3 May",
+                                    "| lynx | Ana | 3 May |", "- lynx (owner Ana, due 3 May)", "2. lynx \u2014 owner Ana"])
+def test_one_lowercase_word_that_keys_a_record_is_a_name(layout):
+    other = layout.replace("lynx", "otter").replace("Ana", "Bo")
+    context = f"PROJECTS\n\n{layout}\n{other}"
+    assert key_terms("What is the due date of lynx?", context) == ["lynx"]
+    assert new_subject(key_terms("What is the due date of otter?", context), ["lynx"])  # another record: a shift
+    assert not new_subject(key_terms("Who owns lynx?", context), ["lynx"])
+    assert key_terms("What is the due date of lynx?") == []  # without the document, an ordinary word
+
+
+def test_line_keys_leave_out_prose_fields_and_stop_words():
+    from snapkv_sessions.drift import line_keys
+
+    fields = "\n".join(f"owner: {n}" for n in ("Ana", "Bo", "Cy", "Di"))  # begins every record: a field
+    prose = "make the note shorter\neviction is what a budget does\nthe: not a name"
+    assert line_keys(f"falcon: due 3 May\n{fields}\n{prose}") == {"falcon"}
+    # a word of the question that is only inside a multi-word name is not a name of its own
+    context = "steel bracket: price 12.40\nsteel: a metal"
+    assert key_terms("What is the price of the steel bracket?", context) == ["steel bracket"]
+
+
 def test_detector_bench_reports_every_shape():
     from snapkv_sessions.bench import detector
 

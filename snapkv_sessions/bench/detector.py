@@ -5,9 +5,11 @@ Model-free (MiniLM embeddings and the text signals only), so it runs in seconds.
 * ``message``: the document is its own message, the user turns are questions;
 * ``pasted``: the document is pasted into the first user message, before its question;
 
-and two kinds of records: ``people`` (capitalised names: the staff directory of ``bench shift``) and ``items``
-(a catalogue whose names are pairs of lowercase words, "steel bracket"). The threshold is calibrated on held-out
-scenarios of every shape and kind (seeds 1000+), never on the evaluated ones.
+and the kinds of records of :data:`KINDS`: ``people`` (capitalised names: the staff directory of ``bench shift``),
+``items`` (a catalogue whose names are pairs of lowercase words, "steel bracket"), ``titles``, ``codes`` and
+``tables`` (reports or projects named by three or one lowercase words, every question in one template; ``tables``
+lays its records out in a layout drawn per seed) and ``two-docs`` (shifts between two documents). The threshold
+is calibrated on held-out scenarios of every shape and kind (seeds 1000+), never on the evaluated ones.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from .shift import Scenario, Turn, auc, make_scenario
 ADJECTIVES = ["steel", "blue", "copper", "round", "small", "heavy", "silver", "red", "oak", "glass", "green", "brass"]
 NOUNS = ["bracket", "widget", "hinge", "valve", "lamp", "spring", "pulley", "gasket", "clamp", "socket", "rivet", "cable"]
 SHAPES = ("message", "pasted")
-KINDS = ("people", "items", "titles", "codes", "two-docs")
-# titles: reports named by three lowercase words; codes: projects named by one lowercase word. Both ask every
-# question in one template, the wording of a shift and of a follow-up differing only in the name or the field.
+KINDS = ("people", "items", "titles", "codes", "tables", "two-docs")
+# titles: reports named by three lowercase words; codes: projects named by one lowercase word; tables: the same
+# projects in a layout drawn per seed (:data:`LAYOUTS`). All three ask every question in one template, the wording
+# of a shift and of a follow-up differing only in the name or the field.
 TITLE_WORDS = (["annual", "coastal", "quiet", "northern", "early", "open", "lower", "final"],
                ["harbor", "river", "market", "forest", "bridge", "garden", "valley", "station"],
                ["survey", "review", "plan", "audit", "study", "report", "budget", "proposal"])
@@ -57,9 +60,22 @@ def make_catalog(seed: int, records: int = 40) -> Scenario:
     return Scenario(document, turns)
 
 
+# how a ``tables`` document lays out a record (name, owner, due, pages, room)
+LAYOUTS = {
+    "csv": "{name},{owner},{due},{pages},{room}",
+    "tsv": "{name}\t{owner}\t{due}\t{pages}\t{room}",
+    "markdown": "| {name} | {owner} | {due} | {pages} | {room} |",
+    "bullets": "- {name} (owner {owner}, due {due}, {pages} pages, room {room})",
+    "numbered": "{i}. {name} \u2014 owner {owner}, due {due}, {pages} pages, room {room}",
+}
+HEADERS = {"csv": "name,owner,due,pages,room", "tsv": "name\towner\tdue\tpages\troom",
+           "markdown": "| name | owner | due | pages | room |\n|---|---|---|---|---|"}
+
+
 def make_templated(seed: int, kind: str, records: int = 32) -> Scenario:
-    """Records named by lowercase titles (``titles``: three words) or code words (``codes``: one), every question
-    asked in one template; follow-ups ask another field of the same record, by name or by pronoun."""
+    """Records named by lowercase titles (``titles``: three words) or code words (``codes``: one; ``tables``: one,
+    laid out as one of :data:`LAYOUTS`), every question asked in one template; follow-ups ask another field of the
+    same record, by name or by pronoun."""
     rng = random.Random(seed)
     if kind == "titles":
         names = rng.sample([f"{a} {b} {c}" for a in TITLE_WORDS[0] for b in TITLE_WORDS[1] for c in TITLE_WORDS[2]],
@@ -69,7 +85,12 @@ def make_templated(seed: int, kind: str, records: int = 32) -> Scenario:
     rows = [{"name": n, "owner": f"{rng.choice('BCDFGHKLMNPRST')}{rng.choice('aeiou')}{rng.choice('lnrst')}o",
              "due": f"{rng.randrange(1, 28)} {rng.choice(['March', 'May', 'July', 'October'])}",
              "pages": str(rng.randrange(3, 300)), "room": f"R{rng.randrange(100, 999)}"} for n in names]
-    lines = [f"{r['name']}: owner {r['owner']}, due {r['due']}, pages {r['pages']}, room {r['room']}." for r in rows]
+    if kind == "tables":
+        layout = rng.choice(sorted(LAYOUTS))
+        lines = [HEADERS[layout]] if layout in HEADERS else []
+        lines += [LAYOUTS[layout].format(i=i + 1, **r) for i, r in enumerate(rows)]
+    else:
+        lines = [f"{r['name']}: owner {r['owner']}, due {r['due']}, pages {r['pages']}, room {r['room']}." for r in rows]
     document = ("REPORTS" if kind == "titles" else "PROJECTS") + "\n\n" + "\n".join(lines)
     a, b, c, d = rng.sample(rows, 4)
 
@@ -104,7 +125,7 @@ def scenario(seed: int, kind: str, shape: str) -> Scenario:
         sc = make_scenario(seed)
     elif kind == "items":
         sc = make_catalog(seed)
-    elif kind in ("titles", "codes"):
+    elif kind in ("titles", "codes", "tables"):
         sc = make_templated(seed, kind)
     elif kind == "two-docs":
         sc = make_two_documents(seed)
