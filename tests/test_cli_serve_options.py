@@ -130,3 +130,6 @@ def test_new_options_reach_serve_options(monkeypatch):
     assert seen["warm"] == [1024] and "warm start: a 1024-token document" in res.output  # on by default
     res = CliRunner().invoke(main, ["serve", "--model", "m", "--warm-tokens", "0"])
     assert res.exit_code == 0 and seen["warm"] == []  # 0: no warm start
+    assert seen["service"][3].trim_memory is True  # each turn's freed memory goes back to the system by default
+    res = CliRunner().invoke(main, ["serve", "--model", "m", "--no-trim-memory"])
+    assert res.exit_code == 0 and seen["service"][3].trim_memory is False

@@ -76,10 +76,13 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
                    "(off by default: no message content in the logs).")
 @click.option("--no-fork-boundaries", is_flag=True,
               help="Keep no turn boundaries: a conversation sent again at once forks by re-prefilling its history.")
+@click.option("--trim-memory/--no-trim-memory", default=True, show_default=True,
+              help="After every turn, give the memory its transient tensors freed back to the system (glibc's "
+                   "malloc_trim; nothing elsewhere): RSS follows what the sessions hold, not the last peak.")
 @clean_errors
 def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_file, max_queue, request_timeout, max_tokens,
           max_live, max_body_mb, batch, packed_weights, on_ray, replicas, max_messages, docs, shutdown_grace,
-          warm_tokens, no_fork_boundaries, metrics_need_key, no_metrics, log_format, log_content) -> None:
+          warm_tokens, no_fork_boundaries, trim_memory, metrics_need_key, no_metrics, log_format, log_content) -> None:
     """An OpenAI-compatible server (POST /v1/chat/completions) over sessions."""
     _check_serve_numbers(port=port, max_queue=max_queue, request_timeout=request_timeout, max_tokens=max_tokens,
                          max_live=max_live, max_body_mb=max_body_mb, batch=batch, replicas=replicas,
@@ -117,7 +120,7 @@ def serve(model, policy, dtype, db, redis_url, host, port, api_keys, api_key_fil
 
     quiet_loaders()
     capacity = Capacity(max_live=max_live, max_tokens=max_tokens, batch=batch, packed_weights=packed_weights,
-                        keep_boundaries=not no_fork_boundaries)
+                        keep_boundaries=not no_fork_boundaries, trim_memory=trim_memory)
     store = SessionStore(db, redis_url=redis_url, pool_size=capacity.store_connections)
     warmed = None
     with progress.quiet(json_logs), progress.task(f"starting the server on {model}") as shown:

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .. import interrupts
+from .. import heap, interrupts
 from ..admission import Admission
 from ..chat import ChatFormatter, Message
 from ..conversations import (
@@ -73,7 +73,8 @@ class Capacity:
     request that names none; batch: decode slots, the turns decoded together (0: one turn at a time);
     packed_weights: run the model's linear layers on weights packed once (:mod:`snapkv_sessions.packed`); None:
     when that gives the same bits (a bf16 model on a CPU with native bf16: :func:`~snapkv_sessions.packed.exact`);
-    keep_boundaries: see :meth:`Service._keep_boundary`.
+    keep_boundaries: see :meth:`Service._keep_boundary`; trim_memory: after every turn, give the memory its
+    transient tensors freed back to the system (:mod:`snapkv_sessions.heap`).
     """
 
     max_live: int = 16
@@ -81,6 +82,7 @@ class Capacity:
     batch: int = 0
     packed_weights: bool | None = None
     keep_boundaries: bool = True  # forks of a conversation sent again at once start from its kept turn boundary
+    trim_memory: bool = True
 
     def __post_init__(self) -> None:
         at_least(self, {"max_live": 1, "max_tokens": 1, "batch": 0})
@@ -232,6 +234,7 @@ class Service(Router):
         self.runner, model_id = runner_for(model)
         super().__init__(model_id, policy, store, capacity.max_tokens)
         self.max_live, self.keep_boundaries = capacity.max_live, capacity.keep_boundaries
+        self.trim_memory = capacity.trim_memory
         self.live: OrderedDict[str, Session] = OrderedDict()
         self._guard = threading.Lock()  # the live LRU and the claims
         self._claims: dict[str, _Claim] = {}
@@ -299,6 +302,9 @@ class Service(Router):
                                    "was kept") from None
         except interrupts.Interrupted:
             return None
+        finally:
+            if self.trim_memory:  # the turn's transient tensors are freed: their pages go back to the system
+                heap.release()
 
     def _turn(self, turn: TurnRequest, job: Job, found: tuple[Session, list[Message], bool], emit,
               resolved) -> TurnOutput | None:
