@@ -85,8 +85,9 @@ class Level:
     error_samples: list[str]
     per_turn: list[TurnTiming] = field(repr=False)
     rss_bytes: int | None = None  # the server's, read once the level ended
-    # ours with GET /metrics: the mean seconds of a decode step's forward and rows per step over the level, as the
-    # server's scheduler timed them; beside TPOT, what the server adds to each token over its batched step
+    # a server of ours with GET /metrics (started by the run or given by --against): the mean seconds of a decode
+    # step's forward and rows per step over the level, as its scheduler timed them; beside TPOT, what the server
+    # adds to each token over its batched step
     step_ms_mean: float | None = None
     step_rows_mean: float | None = None
 
@@ -605,7 +606,7 @@ def _one_server(bench: ServeBench, target: Target, log) -> ServerRun:
     try:
         stream_turn(url, model, [{"role": "user", "content": "Warm up."}], 4, -1, 0, target.key)  # load, first forward
         for n in bench.levels:
-            before = step_totals(url, target.key) if target.kind == "ours" else None
+            before = step_totals(url, target.key)  # ours, or another server of ours given by --against
             lv = run_clients(url, model, n, bench, target.key)
             lv.rss_bytes = tree_rss_bytes(pid) if pid else None
             lv.step_ms_mean, lv.step_rows_mean = step_figures(before, step_totals(url, target.key) if before else None)
