@@ -82,16 +82,16 @@ def measure(model, name: str, rows: Sequence[int], context: int, steps: int, bac
         for n in rows:
             ids = torch.randint(0, vocab, (n, context), generator=gen)  # (n, context)
             compiled = torch.compile(model.forward, backend=backend, dynamic=False)
-            eager_s, compiled_s, first_s = [], [], 0.0
-            for rnd in range(2):  # eager, compiled, eager, compiled: the machine's drift falls on both
+            eager_s, compiled_s, firsts = [], [], []
+            for _ in range(2):  # eager, compiled, eager, compiled: the machine's drift falls on both
                 times, eager_logits, _ = _decode(model, model.forward, ids, steps)
                 eager_s += times
                 times, compiled_logits, first = _decode(model, compiled, ids, steps)
                 compiled_s += times
-                first_s = first if rnd == 0 else first_s
+                firsts.append(first)  # the first round's includes the compile
             e, c = statistics.median(eager_s), statistics.median(compiled_s)
             same = torch.equal(eager_logits.argmax(-1), compiled_logits.argmax(-1))
-            out.append(CompileRow(n, round(e * 1e3, 1), round(c * 1e3, 1), round(e / c, 3), round(first_s, 1), same,
+            out.append(CompileRow(n, round(e * 1e3, 1), round(c * 1e3, 1), round(e / c, 3), round(firsts[0], 1), same,
                                   round(float((eager_logits - compiled_logits).abs().max()), 5)))
             torch._dynamo.reset()  # the next row count compiles its own graph from scratch
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")

@@ -256,24 +256,19 @@ STEP_SERIES = ("snapkv:decode_step_seconds_sum", "snapkv:decode_step_seconds_cou
 
 def step_totals(url: str, key: str | None = None) -> tuple[float, ...] | None:
     """The server's running totals of :data:`STEP_SERIES` (summed over its model labels) from ``GET /metrics`` at
-    the root of ``url`` (its ``/v1`` left off); None when it has no such endpoint or series (another server, or
-    ours with ``--no-metrics``)."""
-    root = url.removesuffix("/").removesuffix("/v1")
+    the root of ``url`` (its ``/v1`` left off), read as the dashboard bench reads it (:class:`.dashboard.Scrape`);
+    None when it has no such endpoint or series (another server, or ours with ``--no-metrics``)."""
+    from .dashboard import Scrape
+
     try:
-        resp = httpx.get(f"{root}/metrics", headers={"Authorization": f"Bearer {key}"} if key else None, timeout=10)
-    except httpx.HTTPError:
-        return None
-    if resp.status_code != 200:
+        scrape = Scrape.fetch(url.removesuffix("/").removesuffix("/v1") + "/metrics", key, time.monotonic())
+    except (ConfigError, ValueError):  # no answer, not 200, or not Prometheus text
         return None
     totals = dict.fromkeys(STEP_SERIES, 0.0)
     seen = False
-    for line in resp.text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for (name, _labels), value in scrape.samples.items():
         if name in totals:
-            try:
-                totals[name] += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                return None
+            totals[name] += value
             seen = True
     return tuple(totals[k] for k in STEP_SERIES) if seen else None
 
