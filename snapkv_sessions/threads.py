@@ -9,6 +9,15 @@ model's thread was 1.3x to 1.6x slower; with that thread's OpenMP threads set to
 before. :func:`serial_kernels` does that for the calling thread only: torch has no per-thread setting
 (``torch.set_num_threads`` changes the whole process), so it calls OpenMP's own ``omp_set_num_threads``, whose
 value is per thread, in the OpenMP runtime torch loaded.
+
+Setting the count is not enough for a thread that already ran parallel ops (the server's main thread loads the
+model and packs its weights, then becomes the event loop's): its team's threads stay parked, and GNU OpenMP, when
+it manages more threads than there are CPUs, stops spinning at its barriers and puts every thread to sleep between
+parallel regions instead, so each of the hundreds of parallel ops in the model thread's decode step paid a wake-up.
+Measured on the 2-core AMD EPYC with AVX-512 BF16, Qwen2.5-Coder-0.5B packed bf16 at 2.9K tokens: a step on
+another thread took 93-108 ms while the main thread's team lived, 71-79 ms once it was released, as on the main
+thread itself (docs/against-vllm.md). :func:`serial_kernels` therefore also releases the calling thread's team
+(OpenMP 5's ``omp_pause_resource_all``: GNU OpenMP, torch's on Linux, ends the calling thread's pool threads).
 """
 
 from __future__ import annotations
@@ -34,17 +43,21 @@ def _openmp() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(path)
                 lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+                lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
                 return lib
             except (OSError, AttributeError):
                 continue
     return None
 
 
+_OMP_PAUSE_SOFT = 1  # omp_pause_soft: free the calling thread's pool; the runtime starts again on its next use
+
+
 def serial_kernels() -> bool:
-    """Run the calling thread's torch ops on this thread alone (its OpenMP threads set to 1); other threads keep
-    theirs. Returns False, changing nothing, where torch's OpenMP runtime is not found (then the calling thread
-    keeps torch's default). For threads that are not the model's: never call it on the thread that runs the
-    model."""
+    """Run the calling thread's torch ops on this thread alone (its OpenMP threads set to 1, and the team it
+    started for earlier parallel ops released); other threads keep theirs. Returns False, changing nothing, where
+    torch's OpenMP runtime is not found (then the calling thread keeps torch's default). For threads that are not
+    the model's: never call it on the thread that runs the model."""
     import torch
 
     torch.get_num_threads()  # torch sets a thread's OpenMP count on its first parallel op: do that first
@@ -53,6 +66,8 @@ def serial_kernels() -> bool:
         return False
     lib.omp_set_num_threads(1)
     ok = torch.get_num_threads() == 1
+    if ok and lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) != 0:  # inside a parallel region: nothing to free
+        log.warning("serial_kernels: the thread's OpenMP team could not be released")
     if not ok:
         log.warning("serial_kernels: the OpenMP runtime found is not the one torch uses; nothing changed")
     return ok

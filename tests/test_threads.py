@@ -3,6 +3,7 @@ slowed every decode step of the model's thread (docs/against-vllm.md)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -34,6 +35,30 @@ def test_serial_kernels_changes_the_calling_thread_alone():
     assert ok and inside == 1
     assert torch.get_num_threads() == before  # this thread keeps its count
     assert _in_thread(torch.get_num_threads) == before  # and a new thread starts with torch's
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+def test_serial_kernels_releases_a_team_the_thread_started():
+    """A thread that ran parallel ops keeps its OpenMP team parked; serial_kernels ends that team's threads, so the
+    model's thread is the only one whose team counts against the CPUs (a team parked elsewhere made GNU OpenMP
+    sleep between every parallel op of the model's step)."""
+    x = torch.randn(1024, 1024)
+
+    def run() -> tuple[int, int, int]:
+        before = _os_threads()
+        for _ in range(3):
+            x @ x  # a parallel op: this thread's team starts
+        started = _os_threads()
+        assert serial_kernels()
+        return before, started, _os_threads()
+
+    before, started, after = _in_thread(run)
+    assert started == before + torch.get_num_threads() - 1  # the team's threads beside the calling one
+    assert after == before  # all of them ended
 
 
 @pytest.mark.parametrize("serial", [False, True])
