@@ -45,6 +45,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from .. import stats
 from ..errors import ConfigError
+from ..threads import serial_kernels
 from . import protocol
 from .app import (
     SESSION_HEADER,
@@ -205,6 +206,8 @@ def _engine_deployment(spec: RaySpec):
             self.service = Service(self.spec.model, self.spec.policy, store, capacity)
             if self.spec.warm_tokens:
                 self.service.warm(self.spec.warm_tokens)
+            if self.service.scheduler is not None:  # the model runs on the scheduler's thread: this one loaded it,
+                serial_kernels()  # and a team it keeps would make that thread's every parallel op sleep and wake
             self.name = serve.get_replica_context().replica_id.to_full_id_str()
             # this process's metrics and records, registered after the warm start (not counted, as in serve)
             stats.configure_logging("INFO", self.spec.log_format)
