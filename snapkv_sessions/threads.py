@@ -43,7 +43,6 @@ def _openmp() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(path)
                 lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-                lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
                 return lib
             except (OSError, AttributeError):
                 continue
@@ -65,9 +64,10 @@ def serial_kernels() -> bool:
     if lib is None:
         return False
     lib.omp_set_num_threads(1)
-    ok = torch.get_num_threads() == 1
-    if ok and lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) != 0:  # inside a parallel region: nothing to free
-        log.warning("serial_kernels: the thread's OpenMP team could not be released")
-    if not ok:
+    if torch.get_num_threads() != 1:
         log.warning("serial_kernels: the OpenMP runtime found is not the one torch uses; nothing changed")
-    return ok
+        return False
+    pause = getattr(lib, "omp_pause_resource_all", None)  # OpenMP 5 (GNU OpenMP 9 on): older runtimes lack it
+    if pause is None or pause(ctypes.c_int(_OMP_PAUSE_SOFT)) != 0:  # nonzero: inside a parallel region
+        log.warning("serial_kernels: the thread's OpenMP team could not be released")
+    return True
