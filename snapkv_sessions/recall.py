@@ -77,11 +77,29 @@ class Selector(Protocol):
 
 
 def _top(scores: torch.Tensor, real: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-``k`` of ``scores`` (B, Hkv, C) per head, padding never chosen: (indices, attend) (B, Hkv, k)."""
+    """The top-``k`` of ``scores`` (B, Hkv, C) per head, padding never chosen: (indices, attend) (B, Hkv, k), in no
+    particular order (attention sums over them; unsorted is a third faster and as deterministic)."""
     if real is not None:
         scores = scores.masked_fill(~real, float("-inf"))
-    best = scores.topk(k, dim=-1)  # (B, Hkv, k)
+    best = scores.topk(k, dim=-1, sorted=False)  # (B, Hkv, k)
     return best.indices, best.values > float("-inf")
+
+
+def slot_mask(idx: torch.Tensor, attend: torch.Tensor, cold: int) -> torch.Tensor:
+    """(B, Hkv, C) bool: the slots ``idx`` (B, Hkv, K) where ``attend``. A slot may repeat in ``idx`` (a short last
+    page is padded with the last slot, not attended): counted, not scattered, so a repeat never hides it."""
+    hits = torch.zeros(*idx.shape[:2], cold, dtype=torch.int16, device=idx.device)  # (B, Hkv, C)
+    return hits.scatter_add_(-1, idx, attend.to(torch.int16)) > 0
+
+
+def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The slots ``idx`` (B, Hkv, K) of ``x`` (B, Hkv, C, D): (B, Hkv, K, D). One row copy per slot from the flat
+    view (``gather`` with an index expanded over D is about eight times slower on a CPU)."""
+    bsz, heads, cold, dim = x.shape
+    if not x.is_contiguous():
+        return x.gather(2, idx[..., None].expand(-1, -1, -1, dim))
+    base = torch.arange(bsz * heads, device=idx.device).view(bsz, heads, 1) * cold  # (B, Hkv, 1) each head's row 0
+    return x.view(-1, dim).index_select(0, (idx + base).flatten()).view(bsz, heads, -1, dim)  # (B, Hkv, K, D)
 
 
 class SlotSelector:
@@ -233,9 +251,9 @@ class LowRank(SlotSelector):
     def logits(self, query, keys, real, positions):
         a, v, cos_sin = self.factors(keys, real, positions)
         approx = a @ v  # (B, Hkv, C, D) the pre-RoPE keys, rebuilt
-        if cos_sin is not None:
-            approx = self.rotary.apply(approx, positions, cos_sin=cos_sin)  # (B, Hkv, C, D) at their positions
-        return torch.einsum("bhgd,bhcd->bhgc", query.float(), approx)  # (B, Hkv, G, C)
+        if cos_sin is None:
+            return query.float() @ approx.transpose(-1, -2)  # (B, Hkv, G, C)
+        return self.rotary.scores(query, approx, positions, cos_sin)  # (B, Hkv, G, C) as if rotated to their positions
 
     def summary_bytes(self, keys: torch.Tensor) -> int:
         bsz, heads, cold, dim = keys.shape
@@ -266,9 +284,9 @@ register_selector("pages", lambda cfg, rotary: Pages(cfg.page))
 register_selector("lowrank", lambda cfg, rotary: LowRank(cfg.rank, rotary))
 assert tuple(SELECTORS) == BUILTIN_SELECTORS, "config.BUILTIN_SELECTORS must name the built-in selectors"
 
-__all__ = ["SELECTORS", "BatchRecall", "Exact", "HotKeys", "LowRank", "PageMeans", "Pages", "Recall", "RecallConfig",
-           "RecallStats", "Recalled", "SlotSelector", "SparQ", "attention_mass", "page_slots", "register_selector",
-           "tail_estimate"]
+__all__ = ["SELECTORS", "BatchRecall", "ColdAttention", "Exact", "HotKeys", "LowRank", "PageMeans", "Pages", "Recall",
+           "RecallConfig", "RecallStats", "Recalled", "SlotSelector", "SparQ", "attention_mass", "gather_slots",
+           "page_slots", "register_selector", "slot_mask", "tail_estimate"]
 
 
 @dataclass
@@ -358,26 +376,24 @@ class PageMeans:
         return bsz * heads * -(-cold // self.page) * dim * values.element_size()
 
 
-def tail_estimate(logits: torch.Tensor, idx: torch.Tensor, attend: torch.Tensor, real: torch.Tensor | None,
-                  means: torch.Tensor, page: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def tail_estimate(att: ColdAttention, recalled: torch.Tensor, means: torch.Tensor,
+                  page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cold slots a step leaves out, as one slot per query head: (values (B, Hkv, G, D), logit (B, Hkv, G)).
 
-    logits (B, Hkv, G, C) the selector's unscaled estimates; idx, attend (B, Hkv, K) the recalled slots; means
-    (B, Hkv, Np, D) :class:`PageMeans`. A left-out slot ``i`` would take ``exp(s_i)`` of the softmax's sum
-    (``s_i`` its scaled logit) and add ``exp(s_i) v_i``; with ``v_i`` its page's mean, their sum is
-    ``exp(logit) * values``. Exact when the logits are and ``page`` is 1."""
-    bsz, heads, group, cold = logits.shape
-    outside = torch.zeros(bsz, heads, cold, dtype=torch.bool, device=logits.device)  # (B, Hkv, C) not in the tail
-    outside.scatter_(-1, idx, attend)  # the recalled slots: attended exactly
-    if real is not None:
-        outside |= ~real  # padding: never attended
-    s = (logits.float() * scaling).masked_fill(outside[:, :, None], float("-inf"))  # (B, Hkv, G, C)
-    logit = s.logsumexp(dim=-1)  # (B, Hkv, G), -inf when nothing is left out
-    weights = (s - logit[..., None]).exp().nan_to_num(0.0)  # (B, Hkv, G, C) summing to 1 (or all 0)
-    n_pages = means.shape[2]
-    weights = torch.nn.functional.pad(weights, (0, n_pages * page - cold))  # (B, Hkv, G, Np * page)
-    per_page = weights.view(bsz, heads, group, n_pages, page).sum(-1)  # (B, Hkv, G, Np)
-    return torch.einsum("bhgp,bhpd->bhgd", per_page, means), logit  # (B, Hkv, G, D), (B, Hkv, G)
+    att: the step's :class:`ColdAttention` (padding already weighs 0); recalled (B, Hkv, C) bool, the slots
+    attended exactly; means (B, Hkv, Np, D) :class:`PageMeans`. A left-out slot ``i`` would take ``exp(s_i)`` of
+    the softmax's sum (``s_i`` its scaled logit) and add ``exp(s_i) v_i``; with ``v_i`` its page's mean, their sum
+    is ``exp(logit) * values``. Exact when the logits are and ``page`` is 1."""
+    bsz, heads, group, cold = att.weights.shape
+    left = att.weights * ~recalled[:, :, None]  # (B, Hkv, G, C) exp(s - top) of the tail's slots
+    total = left.sum(-1)  # (B, Hkv, G)
+    logit = att.top + total.log()  # (B, Hkv, G): -inf when nothing is left out
+    whole = cold // page * page
+    per_page = left[..., :whole].unflatten(-1, (whole // page, page)).sum(-1)  # (B, Hkv, G, whole pages)
+    if whole < cold:  # the last page is short
+        per_page = torch.cat([per_page, left[..., whole:].sum(-1, keepdim=True)], dim=-1)  # (B, Hkv, G, Np)
+    values = torch.einsum("bhgp,bhpd->bhgd", per_page, means) / total.clamp_min(1e-30)[..., None]  # (B, Hkv, G, D)
+    return values, logit
 
 
 class Recall:
@@ -473,42 +489,39 @@ class Recall:
         cold_keys = keys.to(query.device)
         real = None if part.real is None else part.real.to(query.device)
         positions = part.positions.to(query.device)  # (B, Hkv, C)
-        hot_read = 0
-        logits = None
+        att = None
         if self.cfg.reduce == "max":
             idx, attend = self.selector.choose(grouped, cold_keys, real, max(k, 0), positions)
-        else:
+        if self.cfg.reduce == "mass" or self.tail is not None:
             logits = self.selector.logits(grouped, cold_keys, real, positions)  # (B, Hkv, G, C)
-            mass = attention_mass(grouped, logits, real, hot)  # (B, Hkv, C)
+            att = ColdAttention.of(grouped, logits, real, hot)
+        if self.cfg.reduce == "mass":
+            mass = att.mass()  # (B, Hkv, C)
             idx, attend = _top(mass, real, k) if self.cfg.share == "head" else _top_shared(mass, real, k)
-            hot_read = hot.keys.numel() * hot.keys.element_size()  # the hot keys read once more, for their sums
-        rows = idx[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, K, D)
+            self.stats.read_select += hot.keys.numel() * hot.keys.element_size()  # the hot keys once more
+        recalled = slot_mask(idx, attend, keys.shape[2])  # (B, Hkv, C)
         cold_values = values.to(query.device)
-        rec_k = cold_keys.gather(2, rows).to(query.dtype)  # (B, Hkv, K, D)
-        rec_v = cold_values.gather(2, rows).to(query.dtype)
-        self._account(layer, part, idx, attend, cold_keys, k)
-        self.stats.read_select += hot_read
+        rec_k = gather_slots(cold_keys, idx).to(query.dtype)  # (B, Hkv, K, D)
+        rec_v = gather_slots(cold_values, idx).to(query.dtype)
+        self._account(layer, recalled, cold_keys, k)
         tail_values = tail_logit = None
         if self.tail is not None:
-            if logits is None:
-                logits = self.selector.logits(grouped, cold_keys, real, positions)  # (B, Hkv, G, C)
             means = self.tail.means(cold_values, real)  # (B, Hkv, Np, D)
-            tail_values, tail_logit = tail_estimate(logits, idx, attend, real, means, self.tail.page, hot.scaling)
+            tail_values, tail_logit = tail_estimate(att, recalled, means, self.tail.page)
             tail_values = tail_values.to(query.dtype)  # (B, Hkv, G, D)
             self.stats.read_select += self.tail.nbytes(cold_values)
         if self.observer is not None:
             self.observer(layer, positions.gather(-1, idx).masked_fill(~attend, -1))  # (B, Hkv, K)
         return Recalled(rec_k, rec_v, attend[:, :, None], tail_values, tail_logit)
 
-    def _account(self, layer: int, part, idx: torch.Tensor, attend: torch.Tensor, keys: torch.Tensor, k: int) -> None:
+    def _account(self, layer: int, now: torch.Tensor, keys: torch.Tensor, k: int) -> None:
+        """Count one layer's step: ``now`` (B, Hkv, C) bool, the slots it recalled."""
         stats = self.stats
-        n = int(attend.sum())
+        n = int(now.sum())
         stats.recalled += n
         self._step_total += n
         stats.read_select += self.selector.read_bytes(keys, k)
         stats.read_recalled += 2 * n * keys.shape[-1] * keys.element_size()
-        now = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)  # (B, Hkv, C)
-        now.scatter_(-1, idx, attend)
         before = stats.last.get(layer)
         if before is not None and before.shape == now.shape:
             stats.repeats += int((before & now).sum())
@@ -531,20 +544,48 @@ class HotKeys:
         return HotKeys(self.keys[i : i + 1], None if self.mask is None else self.mask[i : i + 1], self.scaling)
 
 
+@dataclass(frozen=True)
+class ColdAttention:
+    """Each query head's softmax over the hot keys and every cold slot, the cold part kept unnormalised:
+    ``weights`` (B, Hkv, G, C) fp32 ``exp(s - top)`` for the scaled logit ``s`` of every cold slot (the selector's
+    estimate; 0 at padding), ``top`` (B, Hkv, G) the shift (the largest logit, hot or cold), ``total`` (B, Hkv, G)
+    the sum of ``exp(s - top)`` over hot and cold: each head's normaliser. The mass (``reduce: mass``) and the
+    tail's estimate (``tail: pages``) both read it, so a step takes the exponentials once."""
+
+    weights: torch.Tensor
+    top: torch.Tensor
+    total: torch.Tensor
+
+    @classmethod
+    def of(cls, query: torch.Tensor, logits: torch.Tensor, real: torch.Tensor | None, hot: HotKeys) -> ColdAttention:
+        """query (B, Hkv, G, D); logits (B, Hkv, G, C) unscaled; real (B, Hkv, C) bool or None."""
+        s = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, Hkv, G, C)
+        torch.mul(logits, hot.scaling, out=s)  # scaled and widened in one pass
+        if real is not None:
+            s.masked_fill_(~real[:, :, None], float("-inf"))
+        # the hot logits in the cache's dtype, widened after: only the normaliser reads them, and widening the
+        # hot keys every step would copy the whole hot cache
+        warm = (query @ hot.keys.to(query.dtype).transpose(-1, -2)).float().mul_(hot.scaling)  # (B, Hkv, G, T)
+        if hot.mask is not None:
+            warm.masked_fill_(~hot.mask, float("-inf"))  # (B, 1 or Hkv, 1, T) over the group
+        top = torch.maximum(s.amax(-1), warm.amax(-1))  # (B, Hkv, G)
+        top = torch.where(top.isfinite(), top, 0.0)  # a head that sees nothing: weights 0, not NaN
+        weights = s.sub_(top[..., None]).exp_()  # (B, Hkv, G, C)
+        total = weights.sum(-1) + (warm - top[..., None]).exp().sum(-1)  # (B, Hkv, G)
+        return cls(weights, top, total)
+
+    def mass(self) -> torch.Tensor:
+        """(B, Hkv, C) fp32: the attention probability each cold slot gets, summed over its group's query heads."""
+        return (self.total.reciprocal()[:, :, None] @ self.weights).squeeze(2)  # (B, Hkv, 1, G) @ (B, Hkv, G, C)
+
+
 def attention_mass(query: torch.Tensor, logits: torch.Tensor, real: torch.Tensor | None, hot: HotKeys) -> torch.Tensor:
     """The attention probability each cold slot would get from its GQA group: per query head, a softmax over the
     hot keys (exact) and every cold slot (``logits``, the selector's estimate), summed over the group's heads.
 
     query (B, Hkv, G, D); logits (B, Hkv, G, C) unscaled; real (B, Hkv, C) bool or None. Returns (B, Hkv, C) fp32,
     0 at padding slots."""
-    cold = logits.float() * hot.scaling  # (B, Hkv, G, C)
-    if real is not None:
-        cold = cold.masked_fill(~real[:, :, None], float("-inf"))
-    warm = torch.einsum("bhgd,bhtd->bhgt", query.float(), hot.keys.float()) * hot.scaling  # (B, Hkv, G, T)
-    if hot.mask is not None:
-        warm = warm.masked_fill(~hot.mask, float("-inf"))  # (B, 1 or Hkv, 1, T) over the group
-    total = torch.logaddexp(cold.logsumexp(-1), warm.logsumexp(-1))  # (B, Hkv, G) each head's normaliser
-    return (cold - total[..., None]).exp().sum(dim=2)  # (B, Hkv, C)
+    return ColdAttention.of(query, logits, real, hot).mass()
 
 
 def _top_shared(scores: torch.Tensor, real: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:

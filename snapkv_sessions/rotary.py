@@ -25,6 +25,9 @@ class Rotary:
     that ``rotate_half`` models use: Llama, Qwen2, Mistral, SmolLM2)."""
 
     module: torch.nn.Module
+    # cos and sin repeat across the two halves of a head (how Llama-family rotary modules build them): what lets
+    # :meth:`scores` move the rotation onto the query
+    halves: bool = False
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Rotary | None:
@@ -35,7 +38,11 @@ class Rotary:
             return None  # only part of each head rotates: the layout differs
         for name, module in model.named_modules():
             if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
-                return cls(module)
+                probe = torch.empty(0, dtype=torch.float32, device=module.inv_freq.device)
+                cos, sin = module(probe, torch.arange(1, 65, device=module.inv_freq.device)[None])  # (1, 64, d)
+                half = cos.shape[-1] // 2
+                halves = torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])
+                return cls(module, halves)
         return None
 
     def cos_sin(self, positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -61,3 +68,19 @@ class Rotary:
             return x * cos + _rotate_half(x) * sin
         # the forward map is a rotation scaled by the factor f (cos^2 + sin^2 = f^2): undo both
         return (x * cos - _rotate_half(x) * sin) / (cos * cos + sin * sin)
+
+    def scores(self, query: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``query (..., G, D) . apply(x, positions) (..., S, D)`` for every pair, (..., G, S) fp32, without
+        rotating ``x``: with cos and sin the same in both halves (the layout ``rotate_half`` models use),
+        ``q . (x cos + rh(x) sin) = (x cos) . q - (x sin) . rh(q)``, two products over ``x`` scaled instead of
+        five passes over it and one product."""
+        got = cos_sin if cos_sin is not None else self.cos_sin(positions, x.shape[-1])
+        q = query.float()
+        if got is None:
+            return q @ x.float().transpose(-1, -2)
+        if not self.halves:
+            return q @ self.apply(x, positions, cos_sin=got).transpose(-1, -2)  # rotate, then score
+        cos, sin = got  # (..., S, D) each
+        x = x.float()
+        return q @ (x * cos).transpose(-1, -2) - _rotate_half(q) @ (x * sin).transpose(-1, -2)  # (..., G, S)

@@ -254,6 +254,41 @@ def test_rotary_undoes_the_models_rope_on_cached_keys(tiny_kind):
     torch.testing.assert_close(runner.rotary.apply(pre, positions), keys, rtol=1e-4, atol=1e-5)
 
 
+def test_rotary_scores_equal_the_query_against_the_rotated_keys(tiny_kind):
+    """``Rotary.scores`` (the rotation moved onto the query) equals the query against the keys rotated to their
+    positions, for the model's halves layout and through the fallback for any other."""
+    import dataclasses
+
+    rotary = ModelRunner(build_tiny(tiny_kind, seed=6)).rotary
+    assert rotary.halves  # Llama-family modules repeat cos and sin across the halves
+    torch.manual_seed(3)
+    dim = rotary.module.inv_freq.shape[0] * 2
+    query, keys = torch.randn(1, 2, 3, dim), torch.randn(1, 2, 40, dim)  # (B, Hkv, G, D), (B, Hkv, C, D)
+    positions = torch.arange(7, 167, 4).expand(1, 2, 40)  # (B, Hkv, C)
+    ref = query @ rotary.apply(keys, positions).transpose(-1, -2)  # (B, Hkv, G, C)
+    torch.testing.assert_close(rotary.scores(query, keys, positions), ref, rtol=1e-5, atol=1e-5)
+    other = dataclasses.replace(rotary, halves=False)
+    torch.testing.assert_close(other.scores(query, keys, positions), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_mask_counts_a_repeated_slot_once_attended():
+    """A short last page repeats the last slot, not attended: the mask still holds the slot where any copy of it is
+    attended, and the flat-view gather returns each slot's row."""
+    from snapkv_sessions.recall import gather_slots, slot_mask
+
+    idx = torch.tensor([[[5, 9, 9, 9], [9, 9, 2, 0]]])  # (B, Hkv, K): slot 9 repeated
+    attend = torch.tensor([[[True, True, False, False], [False, True, False, True]]])
+    got = slot_mask(idx, attend, 10)  # (B, Hkv, C)
+    want = torch.zeros(1, 2, 10, dtype=torch.bool)
+    want[0, 0, [5, 9]] = True
+    want[0, 1, [9, 0]] = True
+    assert torch.equal(got, want)
+    x = torch.randn(1, 2, 10, 4)  # (B, Hkv, C, D)
+    assert torch.equal(gather_slots(x, idx), x.gather(2, idx[..., None].expand(-1, -1, -1, 4)))
+    strided = x.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, not contiguous
+    assert torch.equal(gather_slots(strided, idx), gather_slots(x, idx))
+
+
 def test_lowrank_at_full_rank_chooses_what_exact_chooses():
     """At rank D the fit is the keys themselves: the same slots as full dot products; a low rank differs."""
     from snapkv_sessions.recall import Exact, LowRank
