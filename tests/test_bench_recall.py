@@ -69,9 +69,13 @@ def test_bad_options_are_clean_errors():
 @pytest.mark.slow
 def test_cost_run_side_by_side(smollm2):
     res = CliRunner().invoke(main, ["bench", "recall", "--model", "smollm2-135m-instruct", "--sessions", "0",
-                                    "--cost-lengths", "200", "--steps", "2", "--dtype", "float32", "--json"])
+                                    "--cost-lengths", "200", "--steps", "2", "--rounds", "2", "--dtype", "float32",
+                                    "--json"])
     assert res.exit_code == 0, res.output
     cells = json.loads(res.output)["cost"]["200"]["cells"]
+    for cell in cells.values():  # the median of two rounds, each round's figure kept
+        assert len(cell["tpot_rounds_ms"]) == 2
+        assert cell["tpot_ms"] == pytest.approx(sum(cell["tpot_rounds_ms"]) / 2, abs=0.01)
     assert list(cells) == ["full", "hot0.2", "hot0.2+exact0.1", "hot0.2+sparq0.1", "hot0.2+pages0.1",
                            "hot0.2+lowrank0.1"]
     assert cells["full"]["read_vs_full"] == 1.0

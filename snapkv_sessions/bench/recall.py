@@ -181,13 +181,19 @@ def quality_table(summary: dict) -> str:
 
 @torch.inference_mode()
 def run_cost(runner, lengths: list[int], hot: float, recall: float, steps: int, log=print,
-             selectors: tuple[str, ...] = SELECTORS) -> dict:
+             selectors: tuple[str, ...] = SELECTORS, rounds: int = 1) -> dict:
     """TPOT of the full cache, the hot cache alone and hot + recall (each selector) at each length, side by
-    side from one prefill per length; and the bytes one step reads."""
+    side from one prefill per length; and the bytes one step reads.
+
+    Each round decodes ``steps`` tokens under every condition from a fresh copy of the prefill (a turn's setup,
+    such as a selector's summary, counted every time), the order turned by one condition a round so no condition
+    always runs first; a cell's TPOT is the median over rounds (each round's kept in ``tpot_rounds_ms``)."""
     from ..transcript import observation_window
 
     tok = runner.tokenizer
     out = {}
+    specs = conditions([hot], [recall], selectors)
+    names = list(specs)
     for length in lengths:
         scenario = make_scenario(7, records=max(8, length // 40))
         text = f"{SYSTEM}\n{scenario.document}\n{scenario.turns[0].question}"
@@ -197,31 +203,37 @@ def run_cost(runner, lengths: list[int], hot: float, recall: float, steps: int, 
         t0 = time.perf_counter()
         logits, probe = runner.prefill(base, ids, window=window)
         prefill_s = time.perf_counter() - t0
+        timed: dict[str, list[float]] = {name: [] for name in names}
         cells = {}
-        specs = conditions([hot], [recall], selectors)
-        for name, spec in specs.items():
-            rc = None if "recall" not in spec["memory"] else RecallConfig.make(**spec["memory"]["recall"])
-            state = base.clone()
-            if name != "full":
-                runner.compress(state, CompressionConfig.make(budget_ratio=hot, window=32), probe)
-            state.cache.recall_config = rc
-            state.cache.prefill_done(state)
-            state.cache.reserve(steps)
-            token = int(logits.argmax())
-            t1 = time.perf_counter()
-            for _ in range(steps):
-                token = int(runner.step(state, token).argmax())
-            tpot = (time.perf_counter() - t1) / steps
-            figures = state.cache.decode_done(state) or {}
-            read = figures.get("read_bytes_per_step") or {"hot": state.kv_bytes(), "select": 0, "recalled": 0}
-            cells[name] = {"tpot_ms": round(tpot * 1e3, 2), "hot_bytes": state.kv_bytes(),
-                           "read_bytes_per_step": read, "summary_bytes": figures.get("summary_bytes", 0)}
-            log(f"length {length} {name}: {cells[name]['tpot_ms']} ms/token")
+        for turn in range(rounds):
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                spec = specs[name]
+                rc = None if "recall" not in spec["memory"] else RecallConfig.make(**spec["memory"]["recall"])
+                state = base.clone()
+                if name != "full":
+                    runner.compress(state, CompressionConfig.make(budget_ratio=hot, window=32), probe)
+                state.cache.recall_config = rc
+                state.cache.prefill_done(state)
+                state.cache.reserve(steps)
+                token = int(logits.argmax())
+                t1 = time.perf_counter()
+                for _ in range(steps):
+                    token = int(runner.step(state, token).argmax())
+                timed[name].append((time.perf_counter() - t1) / steps * 1e3)
+                figures = state.cache.decode_done(state) or {}
+                read = figures.get("read_bytes_per_step") or {"hot": state.kv_bytes(), "select": 0, "recalled": 0}
+                cells[name] = {"hot_bytes": state.kv_bytes(), "read_bytes_per_step": read,
+                               "summary_bytes": figures.get("summary_bytes", 0)}
+                log(f"length {length} round {turn + 1}/{rounds} {name}: {timed[name][-1]:.1f} ms/token")
+        for name, cell in cells.items():
+            cell["tpot_ms"] = round(statistics.median(timed[name]), 2)
+            cell["tpot_rounds_ms"] = [round(t, 2) for t in timed[name]]
         full_read = cells["full"]["read_bytes_per_step"]["hot"]
         for cell in cells.values():
             cell["read_vs_full"] = round(sum(cell["read_bytes_per_step"].values()) / full_read, 3)
             cell["tpot_vs_full"] = round(cell["tpot_ms"] / cells["full"]["tpot_ms"], 3)
-        out[str(length)] = {"tokens": len(ids), "prefill_s": round(prefill_s, 1), "cells": cells}
+        out[str(length)] = {"tokens": len(ids), "prefill_s": round(prefill_s, 1), "rounds": rounds,
+                            "cells": {name: cells[name] for name in names}}
     return out
 
 

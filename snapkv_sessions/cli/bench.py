@@ -439,6 +439,8 @@ def _float_list(name: str, text: str) -> list[float]:
 @click.option("--cost-lengths", default="4096,8192", show_default=True,
               help="Lengths for the TPOT comparison ('' skips it).")
 @click.option("--steps", default=32, show_default=True, help="Decode steps timed per condition.")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(1, 20),
+              help="Rounds of the cost cells, every condition once a round in a turning order; TPOT is the median.")
 @click.option("--selection", is_flag=True,
               help="Also: the share of each step's cold attention each selector's choice holds, against the "
                    "exact top-k and the best pages (the largest hot and recall budgets, the same sessions).")
@@ -453,7 +455,7 @@ def _float_list(name: str, text: str) -> list[float]:
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
 def bench_recall(model, n_sessions, first_seed, hots, recalls, selectors, max_new_tokens, results, cost_lengths, steps,
-                 selection, pages, misses, dtype, out, as_json) -> None:
+                 rounds, selection, pages, misses, dtype, out, as_json) -> None:
     """Decode-time recall from the tier: replies equal to the full cache's, turn by turn, and TPOT side by side."""
     from ..bench import quality, recall
     from ..config import RecallConfig
@@ -477,7 +479,7 @@ def bench_recall(model, n_sessions, first_seed, hots, recalls, selectors, max_ne
         summary = recall.run_quality(runner, seeds, hot_list, recall_list,
                                      max_new_tokens, results, selectors=chosen, log=shown.log) if n_sessions else {}
         cost = recall.run_cost(runner, lengths, max(hot_list), max(recall_list), steps, log=shown.log,
-                               selectors=chosen) if lengths else {}
+                               selectors=chosen, rounds=rounds) if lengths else {}
         result = {"benchmark": "recall", "model": model, "dtype": dtype, "summary": summary, "cost": cost}
         if misses:
             if not results:
