@@ -9,7 +9,8 @@ The engine registers :func:`snapkv_attention_forward` under the name ``"snapkv"`
   cache length differs from the true positions and, with a pyramid budget, from layer to layer;
 * when a :class:`WindowProbe` is passed (``snapkv_probe=`` through the model's forward kwargs), the last ``W``
   queries' softmax attention over all keys is computed in fp32 and averaged over the window: O(W*T) memory per
-  layer, never the T*T matrix.
+  layer, never the T*T matrix. Those probabilities also give the window rows' output (one pass, not SDPA's
+  again), which is all of a later turn's short prefill.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def _decode_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out.view(bsz, 1, n_q, dim)  # (B, 1, Hq, D): one position, the heads in order
 
 
-def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float,
-                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean softmax attention of the last ``window`` queries over all keys, in fp32.
+def window_probs(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float,
+                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention of the last ``window`` queries over all keys, in fp32.
 
     Parameters
     ----------
@@ -96,7 +97,8 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scalin
 
     Returns
     -------
-    (B, Hq, T) float32: for each query head, the window-averaged attention probability of every key.
+    (B, Hkv, G, W, T) float32: each window query's attention probability of every key, the query heads of a KV
+    head together (G = Hq / Hkv).
     """
     bsz, n_q, _, dim = query.shape
     n_kv, t_len = key.shape[1], key.shape[-2]
@@ -108,8 +110,43 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scalin
     logits[..., t_len - window :].masked_fill_(future, float("-inf"))
     if key_mask is not None:
         logits.masked_fill_(~key_mask[:, :, None], float("-inf"))  # (B, Hkv, 1, 1, T) padding slots
-    probs = logits.softmax(dim=-1)  # (B, Hkv, G, W, T)
-    return probs.mean(dim=3).reshape(bsz, n_q, t_len)  # (B, Hq, T)
+    return logits.softmax(dim=-1)  # (B, Hkv, G, W, T)
+
+
+def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float,
+                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean softmax attention of the last ``window`` queries over all keys, in fp32 (:func:`window_probs`
+    averaged over the window): (B, Hq, T) float32, for each query head the window-averaged attention probability
+    of every key."""
+    return window_mean(window_probs(query, key, window, scaling, key_mask))  # (B, Hq, T)
+
+
+def window_mean(probs: torch.Tensor) -> torch.Tensor:
+    """:func:`window_probs`' (B, Hkv, G, W, T) averaged over the window: (B, Hq, T), the query heads in order."""
+    bsz, n_kv, group, _, t_len = probs.shape
+    return probs.mean(dim=3).reshape(bsz, n_kv * group, t_len)  # (B, Hq, T)
+
+
+def attention_with_window(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                          probs: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`causal_sdpa`'s output, its last ``W`` rows taken from the window's probabilities ``probs``
+    (B, Hkv, G, W, T), which the probe has computed anyway: a later turn's short prefill (all of it the window)
+    then computes its attention once, not twice. The earlier rows, if any, are causal SDPA over the keys before
+    the window (row ``i`` sits at cache index ``T - Q + i``, so they never see the window's keys).
+
+    Returns (B, Q, Hq, D), as :func:`causal_sdpa`."""
+    bsz, n_q, q_len, dim = query.shape
+    n_kv, group, window, t_len = probs.shape[1], probs.shape[2], probs.shape[3], probs.shape[4]
+    # in the values' dtype, as _decode_matmul does: fp32 (the equality tests) stays exact, bf16 uses its kernels
+    weights = probs.reshape(bsz, n_kv, group * window, t_len).to(value.dtype)  # (B, Hkv, G*W, T)
+    mixed = torch.matmul(weights, value)  # (B, Hkv, G*W, D)
+    tail = mixed.view(bsz, n_q, window, value.shape[-1]).transpose(1, 2)  # (B, W, Hq, D)
+    if q_len == window:
+        return tail.contiguous()
+    cut = t_len - window  # the earlier rows' keys: everything before the window
+    mask = None if key_mask is None else key_mask[..., :cut]  # (B, 1 or Hkv, 1, T - W)
+    head = causal_sdpa(query[:, :, : q_len - window], key[:, :, :cut], value[:, :, :cut], scaling, mask)
+    return torch.cat([head, tail], dim=1)  # (B, Q, Hq, D)
 
 
 @dataclass
@@ -134,10 +171,14 @@ class WindowProbe:
     seconds: float = 0.0
 
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-               key_mask: torch.Tensor | None = None) -> None:
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Keeps the layer's window-mean scores; returns the window's probabilities (B, Hkv, G, W, T) fp32, from
+        which the forward takes the window rows' output."""
         start = time.perf_counter()
-        self.scores[layer] = window_attention(query, key, self.window, scaling, key_mask)  # (B, Hq, T)
+        probs = window_probs(query, key, self.window, scaling, key_mask)  # (B, Hkv, G, W, T)
+        self.scores[layer] = window_mean(probs)  # (B, Hq, T)
         self.seconds += time.perf_counter() - start
+        return probs
 
 
 def snapkv_attention_forward(
@@ -163,7 +204,10 @@ def snapkv_attention_forward(
     # (S, 1, 1, T) a batched decode's padded slots, or (B, Hkv, 1, T) a layer's padding: read after its update
     key_mask = None if snapkv_keymask is None else snapkv_keymask.get(module.layer_idx)
     if snapkv_probe is not None:
-        snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)
+        probs = snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)  # (B, Hkv, G, W, T)
+        decode_recall = snapkv_recall is not None and query.shape[-2] == 1
+        if probs.shape[3] <= query.shape[-2] and not decode_recall:  # the window's rows from its probabilities
+            return attention_with_window(query, key, value, scaling, probs, key_mask), None
     if snapkv_recall is not None and query.shape[-2] == 1:  # decode: also what the step recalls from the tier
         key, value, key_mask = with_recalled(snapkv_recall, module.layer_idx, query, key, value, key_mask, scaling)
     return causal_sdpa(query, key, value, scaling, key_mask), None

@@ -130,6 +130,42 @@ def test_window_scores_equal_eager_attention_rows(tiny_kind):
         torch.testing.assert_close(probe.scores[layer][0], a[0, :, -7:, :].mean(1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("q_len", [5, 12])
+@pytest.mark.parametrize("masked", [False, True])
+def test_window_rows_from_the_probe_equal_sdpa(q_len, masked):
+    """The window rows' output taken from the probe's probabilities (a later turn's prefill: all of it the
+    window; a longer one: SDPA for the rows before) equals causal SDPA over the same keys, GQA and a per-KV-head
+    padding mask included."""
+    from snapkv_sessions.attention import attention_with_window, causal_sdpa, window_probs
+
+    g = torch.Generator().manual_seed(3)
+    bsz, n_q, n_kv, t_len, dim, window = 1, 6, 2, 40, 8, 5
+    query = torch.randn(bsz, n_q, q_len, dim, generator=g)  # (B, Hq, Q, D)
+    key = torch.randn(bsz, n_kv, t_len, dim, generator=g)  # (B, Hkv, T, D)
+    value = torch.randn(bsz, n_kv, t_len, dim, generator=g)
+    key_mask = None
+    if masked:  # a head keeping fewer slots: its padding slots, before the prefill's keys
+        key_mask = torch.ones(bsz, n_kv, 1, t_len, dtype=torch.bool)
+        key_mask[0, 1, 0, 3:9] = False
+    probs = window_probs(query, key, window, 0.3, key_mask)  # (B, Hkv, G, W, T)
+    got = attention_with_window(query, key, value, 0.3, probs, key_mask)  # (B, Q, Hq, D)
+    torch.testing.assert_close(got, causal_sdpa(query, key, value, 0.3, key_mask), rtol=1e-5, atol=1e-6)
+
+
+def test_prefill_observing_a_window_equals_one_that_does_not(tiny_kind):
+    """A prefill with the probe (its window rows from the probe's probabilities) gives the logits and the cache
+    of a prefill without it, on a first turn and on a later turn shorter than a chunk."""
+    runner = ModelRunner(build_tiny(tiny_kind, seed=4))
+    seen, plain = runner.new_state(), runner.new_state()
+    for ids, window in ((prompt(40, seed=5), 8), (prompt(8, seed=6), 8)):
+        la, _ = runner.prefill(seen, ids, window=window)
+        lb, _ = runner.prefill(plain, ids)
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    for layer in range(runner.num_layers):
+        torch.testing.assert_close(seen.cache.layers[layer].keys, plain.cache.layers[layer].keys)
+        torch.testing.assert_close(seen.cache.layers[layer].values, plain.cache.layers[layer].values)
+
+
 def test_chunked_prefill_is_exact():
     ids = prompt(70, seed=11)
     a = ModelRunner(build_tiny("qwen2"))
