@@ -129,10 +129,10 @@ def window_mean(probs: torch.Tensor) -> torch.Tensor:
 
 def attention_with_window(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                           probs: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`causal_sdpa`'s output, its last ``W`` rows taken from the window's probabilities ``probs``
-    (B, Hkv, G, W, T), which the probe has computed anyway: a later turn's short prefill (all of it the window)
-    then computes its attention once, not twice. The earlier rows, if any, are causal SDPA over the keys before
-    the window (row ``i`` sits at cache index ``T - Q + i``, so they never see the window's keys).
+    """:func:`causal_sdpa`'s output, its last ``W`` rows taken from the probabilities ``probs`` (B, Hkv, G, W, T)
+    of those rows, which the probe has computed anyway (W: the window, or every row of a short prefill): a later
+    turn's prefill then computes its attention once, not twice. The earlier rows, if any, are causal SDPA over the
+    keys before the last ``W`` (row ``i`` sits at cache index ``T - Q + i``, so they never see those keys).
 
     Returns (B, Q, Hq, D), as :func:`causal_sdpa`."""
     bsz, n_q, q_len, dim = query.shape
@@ -147,6 +147,11 @@ def attention_with_window(query: torch.Tensor, key: torch.Tensor, value: torch.T
     mask = None if key_mask is None else key_mask[..., :cut]  # (B, 1 or Hkv, 1, T - W)
     head = causal_sdpa(query[:, :, : q_len - window], key[:, :, :cut], value[:, :, :cut], scaling, mask)
     return torch.cat([head, tail], dim=1)  # (B, Q, Hq, D)
+
+
+# a prefill this short takes every row's output from the probe's fp32 probabilities: (B, Hq, R, T) fp32 is 29 MB
+# per layer for the 0.5B at 8K tokens, freed as the layer ends
+ALL_ROWS = 64
 
 
 @dataclass
@@ -172,11 +177,14 @@ class WindowProbe:
 
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
                key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Keeps the layer's window-mean scores; returns the window's probabilities (B, Hkv, G, W, T) fp32, from
-        which the forward takes the window rows' output."""
+        """Keeps the layer's window-mean scores; returns the probabilities (B, Hkv, G, R, T) fp32 of the last
+        ``R`` queries, from which the forward takes those rows' output: ``R`` is every query of a prefill of at
+        most ``ALL_ROWS`` tokens (a later turn: no row left for SDPA, whose CPU kernel costs a block of queries
+        for a few), else the window."""
         start = time.perf_counter()
-        probs = window_probs(query, key, self.window, scaling, key_mask)  # (B, Hkv, G, W, T)
-        self.scores[layer] = window_mean(probs)  # (B, Hq, T)
+        rows = query.shape[-2] if self.window <= query.shape[-2] <= ALL_ROWS else self.window
+        probs = window_probs(query, key, rows, scaling, key_mask)  # (B, Hkv, G, R, T)
+        self.scores[layer] = window_mean(probs[:, :, :, rows - self.window :])  # (B, Hq, T) the window's rows
         self.seconds += time.perf_counter() - start
         return probs
 
@@ -204,7 +212,7 @@ def snapkv_attention_forward(
     # (S, 1, 1, T) a batched decode's padded slots, or (B, Hkv, 1, T) a layer's padding: read after its update
     key_mask = None if snapkv_keymask is None else snapkv_keymask.get(module.layer_idx)
     if snapkv_probe is not None:
-        probs = snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)  # (B, Hkv, G, W, T)
+        probs = snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)  # (B, Hkv, G, R, T)
         decode_recall = snapkv_recall is not None and query.shape[-2] == 1
         if probs.shape[3] <= query.shape[-2] and not decode_recall:  # the window's rows from its probabilities
             return attention_with_window(query, key, value, scaling, probs, key_mask), None
