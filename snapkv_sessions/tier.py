@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import CompactCache, CompactLayer, History
+from .cache import CompactCache, CompactLayer, History, gather_slots
 from .reach import Before
 from .recall import Recall, RecallConfig, RecallStats
 from .rotary import Rotary
@@ -446,8 +446,7 @@ class TieredCache(CompactCache):
                 idx = torch.arange(keys.shape[2], device=keys.device).expand(*keys.shape[:2], -1)  # (B, Hkv, N)
             real = visible.get(layer)  # (B, Hkv, K) or None: every slot real
             self.cold.stats.recalled += self._recalled(layer, idx, keys.shape[:3], real)
-            rows = idx[..., None].expand(-1, -1, -1, keys.shape[-1])  # (B, Hkv, K, D)
-            lay.replace(keys.gather(2, rows), values.gather(2, rows), real)
+            lay.replace(gather_slots(keys, idx), gather_slots(values, idx), real)  # (B, Hkv, K, D) each
             state.positions[layer] = idx
             self.cold.layers[layer] = _evicted(keys, values, idx, real is not None)
         merged.release()
@@ -533,9 +532,8 @@ def _evicted(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor, uneve
         pos = torch.where(real, order, order[..., :1])  # (B, Hkv, C)
         pos, at = pos.sort(dim=-1, stable=True)  # (B, Hkv, C) sorted, a repeat beside its original
         real = real.gather(-1, at)  # (B, Hkv, C)
-    rows = pos[..., None].expand(-1, -1, -1, dim)  # (B, Hkv, C, D)
     pin = keys.device.type == "cuda"
-    return ColdLayer(_host(keys.gather(2, rows), pin), _host(values.gather(2, rows), pin), _host(pos, pin),
+    return ColdLayer(_host(gather_slots(keys, pos), pin), _host(gather_slots(values, pos), pin), _host(pos, pin),
                      _host(real, pin) if uneven else None)
 
 
