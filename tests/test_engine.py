@@ -154,13 +154,13 @@ def test_window_rows_from_the_probe_equal_sdpa(q_len, masked):
 
 def test_prefill_observing_a_window_equals_one_that_does_not(tiny_kind):
     """A prefill with the probe (rows from the probe's probabilities) gives the logits and the cache of a prefill
-    without it: a first turn longer than ``ALL_ROWS`` (the window's rows only), a later turn of a few more tokens
-    than the window (every row) and one of exactly the window."""
-    from snapkv_sessions.attention import ALL_ROWS
+    without it: a first turn more than ``EXTRA_ROWS`` longer than its window (the window's rows only), a later
+    turn of a few more tokens than the window (every row) and one of exactly the window."""
+    from snapkv_sessions.attention import EXTRA_ROWS
 
     runner = ModelRunner(build_tiny(tiny_kind, seed=4))
     seen, plain = runner.new_state(), runner.new_state()
-    for ids, window in ((prompt(ALL_ROWS + 16, seed=5), 8), (prompt(12, seed=6), 8), (prompt(8, seed=7), 8)):
+    for ids, window in ((prompt(EXTRA_ROWS + 40, seed=5), 8), (prompt(12, seed=6), 8), (prompt(8, seed=7), 8)):
         la, _ = runner.prefill(seen, ids, window=window)
         lb, _ = runner.prefill(plain, ids)
         torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
