@@ -113,14 +113,6 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, window: int, scaling: f
     return logits.softmax(dim=-1)  # (B, Hkv, G, W, T)
 
 
-def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float,
-                     key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean softmax attention of the last ``window`` queries over all keys, in fp32 (:func:`window_probs`
-    averaged over the window): (B, Hq, T) float32, for each query head the window-averaged attention probability
-    of every key."""
-    return window_mean(window_probs(query, key, window, scaling, key_mask))  # (B, Hq, T)
-
-
 def window_mean(probs: torch.Tensor) -> torch.Tensor:
     """:func:`window_probs`' (B, Hkv, G, W, T) averaged over the window: (B, Hq, T), the query heads in order."""
     bsz, n_kv, group, _, t_len = probs.shape
@@ -214,8 +206,7 @@ def snapkv_attention_forward(
     key_mask = None if snapkv_keymask is None else snapkv_keymask.get(module.layer_idx)
     if snapkv_probe is not None:
         probs = snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)  # (B, Hkv, G, R, T)
-        decode_recall = snapkv_recall is not None and query.shape[-2] == 1
-        if probs.shape[3] <= query.shape[-2] and not decode_recall:  # the window's rows from its probabilities
+        if snapkv_recall is None or query.shape[-2] > 1:  # the probed rows' output from their probabilities
             return attention_with_window(query, key, value, scaling, probs, key_mask), None
     if snapkv_recall is not None and query.shape[-2] == 1:  # decode: also what the step recalls from the tier
         key, value, key_mask = with_recalled(snapkv_recall, module.layer_idx, query, key, value, key_mask, scaling)
