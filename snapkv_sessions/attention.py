@@ -16,6 +16,7 @@ The engine registers :func:`snapkv_attention_forward` under the name ``"snapkv"`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -161,12 +162,16 @@ class WindowProbe:
         ``scores[layer]`` is (B, Hq, T_layer) float32 once the forward has run.
     seconds:
         Wall time spent computing the window scores, all layers together.
+    rows:
+        Optional ``rows(layer, probs)``: sees each layer's window rows one by one, (B, Hkv, G, W, T) fp32, before
+        they are averaged (what a reading of single rows needs; ``bench pointing``). None: nothing is kept.
     """
 
     window: int
     turn_start: int = 0
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     seconds: float = 0.0
+    rows: Callable[[int, torch.Tensor], None] | None = None
 
     def record(self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
                key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,7 +182,10 @@ class WindowProbe:
         q_len = query.shape[-2]
         rows = q_len if self.window <= q_len <= self.window + EXTRA_ROWS else self.window
         probs = window_probs(query, key, rows, scaling, key_mask)  # (B, Hkv, G, R, T)
-        self.scores[layer] = window_mean(probs[:, :, :, rows - self.window :])  # (B, Hq, T) the window's rows
+        window = probs[:, :, :, rows - self.window :]  # (B, Hkv, G, W, T) the window's rows
+        self.scores[layer] = window_mean(window)  # (B, Hq, T)
+        if self.rows is not None:
+            self.rows(layer, window)
         self.seconds += time.perf_counter() - start
         return probs
 

@@ -177,6 +177,9 @@ class ModelRunner:
         # Called at each decode step's recall from the tier with (layer, recalled true positions (B, Hkv, K), -1
         # where a head attends to fewer): the audit's --find; None in normal use.
         self.recall_observer: Callable[[int, torch.Tensor], None] | None = None
+        # Called at each observed prefill's layer with its window rows (B, Hkv, G, W, T) fp32, before they are
+        # averaged: bench pointing; None in normal use.
+        self.rows_observer: Callable[[int, torch.Tensor], None] | None = None
         check_supported(model)
         if prefill_chunk < 1:
             raise ConfigError("prefill_chunk", prefill_chunk, "must be >= 1")
@@ -305,7 +308,8 @@ class ModelRunner:
             raise ConfigError("window", window, f"is longer than the prompt ({n_todo} tokens to prefill)")
         pending, pending_flags = state.take_pending()
         todo, todo_flags = pending + ids, pending_flags + flags
-        probe = WindowProbe(window, turn_start=state.next_position) if window is not None else None
+        probe = (WindowProbe(window, turn_start=state.next_position, rows=self.rows_observer)
+                 if window is not None else None)
         # Chunk, keeping the observation window inside the last chunk.
         bounds = list(range(0, len(todo), self.prefill_chunk)) + [len(todo)]
         if probe is not None and len(bounds) > 2 and bounds[-1] - bounds[-2] < window:

@@ -122,6 +122,40 @@ def bench_detector(scenarios, threshold, calibration, model, budget_ratio, max_n
     _emit(result, out, as_json, detector.table_tiered)
 
 
+@bench.command("pointing")
+@click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True)
+@click.option("--kinds", default="people,items,codes", show_default=True, help="bench detector's kinds of record.")
+@click.option("--shapes", default="message", show_default=True, help="message, pasted, or both.")
+@click.option("--seeds", default="0,1,2", show_default=True, help="Scenario seeds (at least 2: leave one out).")
+@click.option("--heads", default="1,4,8", show_default=True, help="How many heads the pointed line sums, per level.")
+@click.option("--floor", default=0.2, show_default=True, type=float,
+              help="The lifted value a pointed line must exceed to count.")
+@click.option("--budget-ratio", default=0.3, show_default=True, type=click.FloatRange(0.01, 1.0))
+@click.option("--max-new-tokens", default=12, show_default=True, type=click.IntRange(1, 512))
+@click.option("--out", default=None, help="Also write the JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
+@clean_errors
+def bench_pointing(model, kinds, shapes, seeds, heads, floor, budget_ratio, max_new_tokens, out, as_json) -> None:
+    """Where single window rows point (as lift over the session's earlier turns), read as a task-shift signal on
+    tiered sessions of bench detector's scenarios: AUC and precision/recall, heads chosen leaving one seed out."""
+    from ..bench import detector, pointing
+    from ..errors import bounded_repr
+
+    kind_list, shape_list = _split((kinds,)), _split((shapes,))
+    for name, values, allowed in (("--kinds", kind_list, detector.KINDS), ("--shapes", shape_list, detector.SHAPES)):
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise click.BadParameter(f"{bounded_repr(bad)}: choose from {', '.join(allowed)}", param_hint=name)
+    seed_list = _int_list("seeds", seeds)
+    if len(set(seed_list)) < 2:
+        raise click.BadParameter("give at least two seeds (heads are chosen on the others)", param_hint="--seeds")
+    quiet_loaders()
+    with progress.task("bench pointing") as shown:
+        result = pointing.run(model, kind_list, shape_list, seed_list, _int_list("heads", heads), floor,
+                              budget_ratio, max_new_tokens, log=shown.log)
+    _emit(result, out, as_json, pointing.table)
+
+
 @bench.command("quality")
 @click.option("--model", default="qwen2.5-coder-0.5b-instruct", show_default=True, help="Model id, folder, GGUF or bundle.")
 @click.option("--items", "n_items", default=5, show_default=True,
