@@ -115,6 +115,14 @@ def test_summarise_leaves_each_seed_out():
     assert by["auc"] == 1.0 and by["heads_all_seeds"] == [(1, 1)]
 
 
+def test_summarise_names_the_seeds_when_no_heads_can_be_chosen():
+    from snapkv_sessions.errors import ConfigError
+
+    cells = {"k/message": {0: [[_reading("first", {}, [])]], 1: [[_reading("follow", {}, [])]]}}
+    with pytest.raises(ConfigError, match="no shift turn with exactly one record line"):
+        summarise(cells, [1], floor=0.2)
+
+
 @pytest.mark.parametrize("shape", ["message", "pasted"])
 def test_every_turn_of_a_tiered_session_is_read(smollm2, shape):
     from snapkv_sessions.bench.detector import scenario
@@ -131,3 +139,14 @@ def test_every_turn_of_a_tiered_session_is_read(smollm2, shape):
     assert all(((r.lines >= 0) & (r.lines <= 1 + 1e-5)).all() for r in readings)
     assert readings[2].targets and all(r.lines[..., 2:].max() > 0 for r in readings)  # the records were read
     assert runner.rows_observer is None and runner.observer is None  # the seams are left as found
+
+
+@pytest.mark.parametrize("args, named", [(["--seeds", "1"], "--seeds"), (["--kinds", "bogus,people"], "--kinds"),
+                                         (["--shapes", "inline"], "--shapes"), (["--heads", "x"], "--heads")])
+def test_the_command_names_a_bad_option_before_loading_anything(args, named):
+    from click.testing import CliRunner
+
+    from snapkv_sessions.cli import main
+
+    res = CliRunner().invoke(main, ["bench", "pointing", "--model", "/nonexistent", *args])
+    assert res.exit_code == 2 and named in res.output and "Traceback" not in res.output

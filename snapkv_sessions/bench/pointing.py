@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..compress import Selection
+from ..errors import ConfigError
 from ..reach import SINKS
 from .detector import _confusion, scenario
 from .shift import Scenario, auc
@@ -220,6 +221,9 @@ def summarise(cells: dict[str, dict[int, list[list[TurnReading]]]], ks: Sequence
             train = [r for per_seed in cells.values() for s, sessions in per_seed.items() if s != held
                      for r in sessions]
             heads = choose_heads(train, k)
+            if not heads:
+                raise ConfigError("seeds", seeds, f"seeds other than {held} have no shift turn with exactly one "
+                                  "record line to choose heads on")
             for cell, per_seed in cells.items():
                 for readings in per_seed.get(held, []):
                     decisions[cell] += decide(readings, heads, floor)
