@@ -232,9 +232,9 @@ def table(result: dict) -> str:
 # ---------------------------------------------------------------------------------------------- with the tier
 
 
-def tiered_turns(runner, sc: Scenario, shape: str, budget_ratio: float, max_new_tokens: int) -> list[dict]:
-    """One scenario as a tiered session on ``runner``: per turn its label, the attention signal's reading
-    (:mod:`snapkv_sessions.reach`: score and recalled share) and the slots recalled from cold, as recorded."""
+def tiered_session(runner, sc: Scenario, shape: str, budget_ratio: float):
+    """A new tiered session of ``sc`` on ``runner`` (budget ``budget_ratio``, drift never acted on, no embedder),
+    its document added as its own message in the ``message`` shape (pasted in the first question otherwise)."""
     from ..policy import Policy
     from ..session import Session
     from ..store import SessionStore
@@ -244,6 +244,13 @@ def tiered_turns(runner, sc: Scenario, shape: str, budget_ratio: float, max_new_
     session = Session.create(runner, policy=policy, store=SessionStore("sqlite://"))
     if shape == "message":
         session.add_document(sc.document, name="document")
+    return session
+
+
+def tiered_turns(runner, sc: Scenario, shape: str, budget_ratio: float, max_new_tokens: int) -> list[dict]:
+    """One scenario as a tiered session on ``runner``: per turn its label, the attention signal's reading
+    (:mod:`snapkv_sessions.reach`: score and recalled share) and the slots recalled from cold, as recorded."""
+    session = tiered_session(runner, sc, shape, budget_ratio)
     out = []
     for turn in sc.turns:
         reply = session.chat(turn.question, max_new_tokens=max_new_tokens)

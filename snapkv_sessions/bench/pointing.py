@@ -32,7 +32,7 @@ import torch
 from ..compress import Selection
 from ..errors import ConfigError
 from ..reach import SINKS
-from .detector import _confusion, scenario
+from .detector import _confusion, scenario, tiered_session
 from .shift import Scenario, auc
 
 
@@ -119,10 +119,6 @@ def document_lines(token_ids: Sequence[int], text_of: Callable[[int], str], docu
 def session_readings(runner, sc: Scenario, shape: str, budget_ratio: float, max_new_tokens: int) -> list[TurnReading]:
     """One scenario as a tiered session on ``runner`` (the policy of ``bench detector --tier``): a reading per
     turn whose compression observed its layers (every turn of a tiered session compresses)."""
-    from ..policy import Policy
-    from ..session import Session
-    from ..store import SessionStore
-
     texts: dict[int, str] = {}
 
     def text_of(t: int) -> str:
@@ -131,15 +127,11 @@ def session_readings(runner, sc: Scenario, shape: str, budget_ratio: float, max_
         return texts[t]
 
     doc_lines = sc.document.split("\n")
-    policy = Policy.from_dict({"compression": {"budget_ratio": budget_ratio},
-                               "drift": {"action": "never", "embedder": "none"}}).stated()
-    session = Session.create(runner, policy=policy, store=SessionStore("sqlite://"))
+    session = tiered_session(runner, sc, shape, budget_ratio)
     capture = RowCapture(lambda: session.state.token_ids,
                          lambda ids: document_lines(ids, text_of, sc.document), len(doc_lines))
     runner.rows_observer, runner.observer = capture.on_rows, capture.on_selection
     try:
-        if shape == "message":
-            session.add_document(sc.document, name="document")
         out = []
         for turn in sc.turns:
             capture.begin()
