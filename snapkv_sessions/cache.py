@@ -261,6 +261,8 @@ class CompactLayer(DynamicLayer):
         v = self._v.new_empty(*self._v.shape[:2], need, self._v.shape[-1])
         k[:, :, : self.length] = self.keys
         v[:, :, : self.length] = self.values
+        k[:, :, self.length :] = 0  # a decode step may read the spare slots, masked (attention._whole_buffers):
+        v[:, :, self.length :] = 0  # they must hold numbers, never NaN bit patterns left in fresh memory
         self._k, self._v = k, v
         if self._vis is not None:
             vis = self._vis.new_ones(*self._vis.shape[:2], need)  # (B, Hkv, need)

@@ -41,6 +41,9 @@ def clean_errors(fn):
 @click.version_option(package_name="snapkv-sessions")
 def main() -> None:
     """Recoverable per-turn SnapKV sessions over a local Hugging Face causal LM."""
+    from .. import heap
+
+    heap.keep_freed()  # every command's prefills reuse their freed activations (snapkv_sessions.heap)
 
 
 PLOT_INSTALL = "pip install matplotlib (or the extra: pip install 'snapkv-sessions[demo]')"

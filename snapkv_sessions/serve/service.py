@@ -231,6 +231,7 @@ class Service(Router):
     def __init__(self, model, policy: str | dict | Policy | None, store: SessionStore,
                  capacity: Capacity | None = None) -> None:
         capacity = capacity or Capacity()
+        self.heap_kept = heap.keep_freed()  # transient blocks reused, not faulted in again per layer (heap)
         self.runner, model_id = runner_for(model)
         super().__init__(model_id, policy, store, capacity.max_tokens)
         self.max_live, self.keep_boundaries = capacity.max_live, capacity.keep_boundaries
