@@ -66,6 +66,11 @@ class Executor(Protocol):
         """The reply's tokens from ``first_logits``, leaving ``state`` as :meth:`ModelRunner.generate` does."""
         ...
 
+    def chunk(self, most: int) -> int:
+        """How many tokens a prefill may feed in its next forward, at most ``most`` (the runner's
+        ``prefill_chunk``): fewer while other sessions' work waits on the model (the scheduler)."""
+        ...
+
 
 class Inline:
     """The executor of a runner alone: model work runs on the caller's thread, one decode step at a time."""
@@ -75,6 +80,9 @@ class Inline:
 
     def call(self, fn: Callable[[], object], remaining: int = 0) -> object:
         return fn()
+
+    def chunk(self, most: int) -> int:
+        return most
 
     def decode(self, state: KVState, first_logits: torch.Tensor, decoder: Decoder) -> Iterator[int]:
         if isinstance(state.cache, CompactCache):
@@ -109,6 +117,7 @@ class TurnResult:
     prefilled: int = 0  # tokens run through the model by the prefill: the plan's, plus any fed again
     protect_applied: bool | None = None  # None: no compression ran; else whether the plan's protect fit
     kept: list[torch.Tensor] | None = None  # positions[l] (B, Hkv, K) right after the compression, if it ran
+    chunks: list[int] | None = None  # tokens each forward of the prefill fed (what a replay feeds again)
 
 
 class TurnRun:
@@ -159,8 +168,10 @@ class ModelRunner:
     tokenizer:
         Optional; needed only for stop strings and text helpers.
     prefill_chunk:
-        Prefill long inputs in chunks of this many tokens (exact: the causal mask is built per chunk), which
-        bounds the activation memory.
+        Prefill long inputs in chunks of at most this many tokens (the causal mask is built per chunk), which
+        bounds the activation memory. Fewer while the executor has other sessions' work waiting
+        (:meth:`Executor.chunk`); a turn records the chunks it ran and a replay runs the same ones, since the
+        chunking changes the last bits of the keys and logits.
     cache:
         ``"compact"`` (default): :class:`~snapkv_sessions.cache.CompactCache`, preallocated, decode writes in
         place; ``"dynamic"``: transformers' DynamicCache (concatenates at every step).
@@ -297,6 +308,14 @@ class ModelRunner:
         -------
         The next-token logits (V,), and the probe holding each layer's window scores (or None).
         """
+        logits, probe, _ = self._prefill(state, ids, pinned, window, None)
+        return logits, probe
+
+    def _prefill(self, state: KVState, ids: Sequence[int], pinned: bool | Sequence[bool], window: int | None,
+                 chunks: Sequence[int] | None) -> tuple[torch.Tensor, WindowProbe | None, list[int]]:
+        """:meth:`prefill`, in the ``chunks`` given (a recorded turn's: tokens per forward, the pending ones
+        included) or, when None, in chunks of at most :attr:`prefill_chunk` the executor sizes one by one; also
+        returns the chunks it ran. The observation window always lies in the last chunk."""
         ids = [int(t) for t in ids]
         flags = [bool(pinned)] * len(ids) if isinstance(pinned, bool) else [bool(p) for p in pinned]
         if len(flags) != len(ids):
@@ -306,24 +325,29 @@ class ModelRunner:
             raise ConfigError("ids", ids, "nothing to prefill")
         if window is not None and window > n_todo:
             raise ConfigError("window", window, f"is longer than the prompt ({n_todo} tokens to prefill)")
+        if chunks is not None and (sum(chunks) != n_todo or min(chunks, default=0) < 1
+                                   or (window is not None and chunks[-1] < window)):
+            raise ConfigError("chunks", list(chunks), f"must be positive, sum to the {n_todo} tokens "
+                              "to prefill and end with a chunk holding the observation window")
         pending, pending_flags = state.take_pending()
         todo, todo_flags = pending + ids, pending_flags + flags
         probe = (WindowProbe(window, turn_start=state.next_position, rows=self.rows_observer)
                  if window is not None else None)
-        # Chunk, keeping the observation window inside the last chunk.
-        bounds = list(range(0, len(todo), self.prefill_chunk)) + [len(todo)]
-        if probe is not None and len(bounds) > 2 and bounds[-1] - bounds[-2] < window:
-            cut = bounds[-1] - window  # >= 0: the window fits the prompt (checked above)
-            bounds = [b for b in bounds[:-1] if b < cut] + [cut, bounds[-1]]
-        logits = None
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            if lo == hi:
-                continue
-            last = hi == len(todo)
+        logits, lo, ran = None, 0, []
+        while lo < n_todo:
+            if chunks is not None:
+                hi = lo + chunks[len(ran)]
+            else:
+                hi = min(n_todo, lo + max(1, self.executor.chunk(self.prefill_chunk)))
+                if probe is not None and hi < n_todo and n_todo - hi < window:  # the window in the last chunk
+                    hi = n_todo - window if n_todo - window > lo else n_todo
             interrupts.check()  # a deadline or a client gone stops a long prefill between chunks
-            logits = self._forward(state, todo[lo:hi], probe if last else None, whole=True, remaining=len(todo) - lo)
+            logits = self._forward(state, todo[lo:hi], probe if hi == n_todo else None, whole=True,
+                                   remaining=n_todo - lo)
             state.append(todo[lo:hi], todo_flags[lo:hi], self.num_kv_heads, self.device)
-        return logits, probe
+            ran.append(hi - lo)
+            lo = hi
+        return logits, probe, ran
 
     @torch.inference_mode()
     def step(self, state: KVState, token: int) -> torch.Tensor:
@@ -375,10 +399,10 @@ class ModelRunner:
         reach = plan.window - len(state.pending) - len(plan.tokens) if plan.window and compression else 0
         state.cache.begin_turn(state, reach)
         prefilled = len(state.pending) + len(plan.tokens)
-        logits, probe = self.prefill(state, plan.tokens, pinned=plan.pinned_flags(), window=plan.window)
+        logits, probe, chunks = self._prefill(state, plan.tokens, plan.pinned_flags(), plan.window, plan.chunks)
         result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=(time.perf_counter() - t0) * 1e3,
                             decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position,
-                            prefilled=prefilled)
+                            prefilled=prefilled, chunks=chunks)
         if probe is not None:
             protect = protect_mask(state, plan.protect, compression, self.num_layers, probe.window)
             result.report = self.compress(state, compression, probe, protect)

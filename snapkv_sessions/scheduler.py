@@ -99,9 +99,15 @@ class Scheduler:
         bound to this scheduler, and their forwards all come here
     slots : the most sessions decoding in one step; more wait for a free slot
     static : fixed step shapes (see :class:`~snapkv_sessions.batch.SlotPool`)
+    busy_chunk : the most tokens a prefill feeds per call while replies decode or other calls wait (it holds
+        them that long); with the model to itself a prefill feeds the runner's whole ``prefill_chunk`` per call,
+        which is faster (each call reads every weight once): :meth:`chunk`
     """
 
-    def __init__(self, runner, slots: int = 8, static: bool = False) -> None:
+    def __init__(self, runner, slots: int = 8, static: bool = False, busy_chunk: int = 256) -> None:
+        if isinstance(busy_chunk, bool) or not isinstance(busy_chunk, int) or busy_chunk < 1:
+            raise ValueError(f"busy_chunk={busy_chunk!r}: must be an int >= 1")
+        self.busy_chunk = busy_chunk
         if runner in _SCHEDULED or not isinstance(runner.executor, Inline):
             raise ValueError("this runner already has a scheduler")
         self.model_runner = runner  # runs the batched steps; knows nothing of the scheduler
@@ -137,6 +143,14 @@ class Scheduler:
             heapq.heappush(self._calls, (self._key(left), next(self._arrivals), left, fn, future))
             self._wake.notify()
         return future.result()
+
+    def chunk(self, most: int) -> int:
+        """The next prefill call's tokens: ``most`` when nothing else waits on the model (no reply decoding or
+        joining, no other call queued), else at most :attr:`busy_chunk`. Decided as the call is made; a reply
+        that arrives during a long chunk waits for it to end."""
+        with self._wake:
+            busy = bool(self._active or self._joining or self._calls)
+        return min(most, self.busy_chunk) if busy else most
 
     def _key(self, left: int) -> float:
         """When the calling thread's turn would end alone: its start plus ``left`` tokens at ``PREFILL_RATE``. A
@@ -196,13 +210,15 @@ class Scheduler:
                     self._active.extend(self._joining)
                     self._joining.clear()
                     call = heapq.heappop(self._calls) if self._calls else None
-                t0 = time.perf_counter()
+                t0, stepped = time.perf_counter(), False
                 try:
                     self._sample()
-                    self._step()
+                    stepped = self._step()
                 except BaseException as exc:  # noqa: BLE001 - every decoding reply is told, none hangs
                     self._fail_all(exc)
-                stepped, ran, last = time.perf_counter() - t0, 0, None
+                # no forward ran (nothing decodes): 0, so one call runs per iteration (a sampling pass alone
+                # could outlast a very short call, which then let the next turn's call in before a follow-up)
+                stepped, ran, last = (time.perf_counter() - t0) if stepped else 0.0, 0, None
                 while call is not None:
                     last = call
                     self._run_call(*call[3:])
@@ -265,8 +281,9 @@ class Scheduler:
             item.state.pending, item.state.last_stop_reason = [item.decoder.last], item.decoder.reason
             item.out.put(_END)
 
-    def _step(self) -> None:
-        """Admit replies into free slots, then feed every slotted reply its token in one forward."""
+    def _step(self) -> bool:
+        """Admit replies into free slots, then feed every slotted reply its token in one forward; whether one
+        ran."""
         for item in list(self._active):
             if item.slot is None and self.pool.free:
                 try:  # admit takes the slot last, so a failed copy leaves the pool as it was
@@ -276,7 +293,7 @@ class Scheduler:
         ready = sorted((item for item in self._active if item.slot is not None),
                        key=lambda item: self.pool.slots.index(item.slot))  # slot order: row i is slot i
         if not ready:
-            return
+            return False
         t0 = time.perf_counter()
         logits = self.pool.step(self.model_runner, [item.decoder.last for item in ready])  # (n, V)
         now = time.perf_counter()
@@ -295,6 +312,7 @@ class Scheduler:
         self.stats.largest = max(self.stats.largest, len(ready))
         for item, row in zip(ready, logits, strict=True):
             item.logits = row  # (V,)
+        return True
 
     def _leave(self, item: Decoding) -> None:
         """Take ``item`` out of the batch, its slot copied back into its state."""

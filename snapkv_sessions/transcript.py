@@ -103,6 +103,8 @@ class TurnPlan:
     protect: true-position ranges kept through this turn's compression only, when they fit (the question)
     window: the observation window, or None (this turn does not compress)
     reprefill: the cache restarts empty before this prefill (recovery: the store rebuilds it)
+    chunks: tokens each forward of the prefill feeds (pending ones included), as the recorded turn ran it; None
+        (a live plan): the runner sizes them (:meth:`~snapkv_sessions.runner.ModelRunner.run` records them)
     render: how the tokens were rendered (live plans only; not recorded)
     """
 
@@ -113,6 +115,7 @@ class TurnPlan:
     protect: tuple[Range, ...] = ()
     window: int | None = None
     reprefill: bool = False
+    chunks: tuple[int, ...] | None = field(default=None, compare=False)
     render: RenderDelta | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -144,10 +147,15 @@ class TurnPlan:
             raise PlanError(f"segments={str(record)[:80]!r}: a turn record without its plan")
         owners = tuple((int(s), int(a), int(b)) for s, a, b in record.get("owners") or [])
         first = owners[-1][2] - len(tokens) if owners else -1
+        chunks = record.get("chunks")  # records written before the chunks were stored have none
+        if chunks is not None and (not isinstance(chunks, list) or not chunks
+                                   or not all(type(c) is int and c > 0 for c in chunks)):
+            raise PlanError(f"segments.chunks={str(chunks)[:80]!r}: must be a list of positive token counts")
         return cls(tokens=tuple(int(t) for t in tokens), first_position=first, owners=owners,
                    pinned=tuple((int(a), int(b)) for a, b in record.get("pinned") or []),
                    protect=tuple((int(a), int(b)) for a, b in record.get("protect") or []),
-                   window=record.get("window"), reprefill=bool(record.get("reprefill")))
+                   window=record.get("window"), reprefill=bool(record.get("reprefill")),
+                   chunks=None if chunks is None else tuple(chunks))
 
 
 @dataclass(frozen=True)

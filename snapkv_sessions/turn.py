@@ -68,6 +68,8 @@ class TurnOutcome:
         segments = plan.to_record()
         if result.protect_applied is not None:
             segments["protect_applied"] = result.protect_applied
+        if result.chunks is not None:  # a replay feeds the same chunks (they change the last bits)
+            segments["chunks"] = result.chunks
         return {
             "prefill_tokens": list(plan.tokens), "decode_tokens": reply_tokens[0], "pending_tokens": reply_tokens[1],
             "segments": segments, "tokens_in": len(plan.tokens), "tokens_out": len(result.tokens),

@@ -54,7 +54,7 @@ def test_the_warm_start_runs_on_a_thread_that_ends_with_it(tmp_path, monkeypatch
     service = _service(tmp_path, batch)
     seen: list[threading.Thread] = []
     turn = ModelRunner.turn if batch == 0 else None
-    prefill = ModelRunner.prefill
+    prefill = ModelRunner._prefill  # every prefill, a turn's included, runs through it
 
     def watch(fn):
         def wrapped(self, *a, **k):
@@ -62,7 +62,7 @@ def test_the_warm_start_runs_on_a_thread_that_ends_with_it(tmp_path, monkeypatch
             return fn(self, *a, **k)
         return wrapped
 
-    monkeypatch.setattr(ModelRunner, "prefill", watch(prefill))
+    monkeypatch.setattr(ModelRunner, "_prefill", watch(prefill))
     if turn is not None:
         monkeypatch.setattr(ModelRunner, "turn", watch(turn))
     try:

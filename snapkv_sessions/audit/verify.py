@@ -7,8 +7,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..models import bound_model
+from ..models import bound_model, runner_for
 from ..policy import MemoryPolicy, Policy
+from ..runner import Inline
 from ..store import SessionStore
 from ..store.blobs import unpack_positions
 
@@ -78,7 +79,10 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
     else:  # the process's pool settings stay as they are: a tier is lost below where the record says it was
         policy = policy.model_copy(update={"memory": policy.memory.model_copy(update={"max_bytes": None,
                                                                                       "spill_dir": None})})
-    session = Session.create(model, policy=policy, store=scratch)
+    runner, model_id = runner_for(model)
+    chunks = _Recorded()  # each turn prefills in the chunks it recorded (they change the last bits)
+    chunks.runner = runner.on(chunks)
+    session = Session.create_on(chunks.runner, model_id, Policy.load(policy).stated(), scratch, {})
     by_user = {t["user_seq"]: t for t in done}
     # a tier lost to the byte cap depends on the process, not on the session: the re-execution loses it where
     # the live turn did, so that turn re-prefills as recorded
@@ -94,8 +98,20 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
         gen = {k: v for k, v in (rec["generation"] or {}).items() if v is not None}
         if rec["turn"] in lost and session.state.cold is not None:
             session.state.cold.drop(lost[rec["turn"]])
+        chunks.sizes = list((rec["segments"] or {}).get("chunks") or [])  # none recorded: the runner's own
         session.chat({"role": msg["role"], "content": msg["content"], "name": msg["name"]}, **gen)
         yield rec, scratch.turns(session.id)[-1]
+
+
+class _Recorded(Inline):
+    """The executor of a re-execution: each prefill chunk as long as the recorded turn's (:attr:`sizes`, set per
+    turn); once they are used up (a record without chunks), the runner's own."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def chunk(self, most: int) -> int:
+        return int(self.sizes.pop(0)) if self.sizes else most
 
 
 def _compare(rec: dict, new: dict) -> Mismatch | None:
@@ -103,6 +119,9 @@ def _compare(rec: dict, new: dict) -> Mismatch | None:
     for name in ("prefill_tokens", "drift_decision"):
         if rec[name] != new[name]:
             return Mismatch(turn, name, _short(rec[name]), _short(new[name]))
+    recorded_chunks = (rec["segments"] or {}).get("chunks")
+    if recorded_chunks is not None and recorded_chunks != (new["segments"] or {}).get("chunks"):
+        return Mismatch(turn, "prefill_chunks", _short(recorded_chunks), _short(new["segments"].get("chunks")))
     if rec["decode_tokens"] + rec["pending_tokens"] != new["decode_tokens"] + new["pending_tokens"]:
         return Mismatch(turn, "reply", _short(rec["decode_tokens"] + rec["pending_tokens"]),
                         _short(new["decode_tokens"] + new["pending_tokens"]))

@@ -53,7 +53,7 @@ from . import protocol
 from .warm import WarmReport, warm_up
 from .worker import Job, in_fresh_thread
 
-BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps
+BATCH_PREFILL_CHUNK = 256  # tokens a prefill feeds between two batched decode steps (while any reply decodes)
 SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BOUNDARY_TTL_S = 30.0  # a kept turn boundary serves forks of the same conversation until unused this long
 BOUNDARIES_KEPT = 8  # boundaries kept at once (each holds a copy of a hot cache; cold layers are shared)
@@ -253,9 +253,9 @@ class Service(Router):
         if capacity.batch:
             from ..scheduler import Scheduler
 
-            # a long prefill runs in chunks between decode steps: this bounds how long it holds the others
-            self.runner.prefill_chunk = min(self.runner.prefill_chunk, BATCH_PREFILL_CHUNK)
-            self.scheduler = Scheduler(self.runner, slots=capacity.batch)
+            # while others decode or wait, a long prefill runs in chunks between their steps: this bounds how
+            # long it holds them; alone, it runs in the runner's larger chunks
+            self.scheduler = Scheduler(self.runner, slots=capacity.batch, busy_chunk=BATCH_PREFILL_CHUNK)
             self.runner = self.scheduler.runner  # sessions run on the scheduler's view of the model
 
     def warm(self, tokens: int = 1024) -> WarmReport:
