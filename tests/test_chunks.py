@@ -35,6 +35,15 @@ class Sized(Inline):
         return self.sizes.pop(0) if self.sizes else most
 
 
+def _prefill_forwards(runner: ModelRunner) -> list[int]:
+    """The tokens of each prefill forward ``runner`` runs from now on (appended as they run)."""
+    fed: list[int] = []
+    forward = runner._forward_now
+    runner._forward_now = lambda state, ids, probe, whole: (fed.append(len(ids)) if whole else None) or forward(
+        state, ids, probe, whole)
+    return fed
+
+
 def test_the_scheduler_feeds_a_whole_chunk_when_nothing_waits_and_its_busy_chunk_when_something_does():
     scheduler = Scheduler(ModelRunner(build_tiny("llama", layers=2)), slots=1, busy_chunk=32)
     try:
@@ -112,11 +121,8 @@ def test_a_session_records_its_chunks_and_verify_re_executes_them(tmp_path):
     recorded = [t["segments"]["chunks"] for t in store.turns(session.id, status="done")]
     assert recorded[0][:2] == [4, 13] and all(c <= 9 for c in recorded[0][2:]) and len(recorded[1]) >= 1
 
-    fed = []
     other = ModelRunner(model, tokenizer)  # chunks of 4,096
-    forward = other._forward_now
-    other._forward_now = lambda state, ids, probe, whole: (fed.append(len(ids)) if whole else None) or forward(
-        state, ids, probe, whole)
+    fed = _prefill_forwards(other)
     result = verify(store, session.id, model=other)
     assert result.ok and result.turns_checked == 2
     assert fed == [c for turn in recorded for c in turn]
@@ -137,11 +143,8 @@ def test_a_session_reopened_elsewhere_replays_its_turns_in_their_recorded_chunks
     recorded = store.turns(session.id, status="done")[0]["segments"]["chunks"]
     live = [(lay.keys.clone(), lay.values.clone()) for lay in session.state.cache.layers]
 
-    fed = []
-    other = ModelRunner(model, tokenizer)
-    forward = other._forward_now
-    other._forward_now = lambda state, ids, probe, whole: (fed.append(len(ids)) if whole else None) or forward(
-        state, ids, probe, whole)
+    other = ModelRunner(model, tokenizer)  # chunks of 4,096
+    fed = _prefill_forwards(other)
     reopened = Session.open(session.id, model=other, store=store)
     assert fed == recorded
     rebuilt = [(lay.keys, lay.values) for lay in reopened.state.cache.layers]

@@ -165,6 +165,7 @@ def test_packed_bf16_linears_give_the_same_bits_where_the_cpu_runs_bf16(kind):
     plain = run()
     pack_linears(model)
     try:
+        assert any(hasattr(m, "_snapkv_fused") for m in model.modules())  # decode steps join q/k/v and gate/up
         assert torch.equal(run(), plain)
     finally:
         unpack_linears(model)

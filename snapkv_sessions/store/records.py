@@ -110,7 +110,8 @@ class TurnRecord(Record):
     status: ``pending`` (begun, not finished), ``done`` or ``abandoned``. user_seq / assistant_seq: the messages it
     answered and wrote. prefill_tokens: ids the prefill fed, after the previous turn's pending token (with
     ``segments``, the :class:`~snapkv_sessions.transcript.TurnPlan`: ``{"runs": [[seq, start, end], ...], "window":
-    W, "pinned": [[start, end], ...], "protect": [...], "reprefill": bool, ...}``). decode_tokens: ids fed one by
+    W, "pinned": [[start, end], ...], "protect": [...], "reprefill": bool, "chunks": [tokens per forward of the
+    prefill], ...}``; records older than ``chunks`` have none). decode_tokens: ids fed one by
     one while decoding; pending_tokens: sampled, not yet fed (the next turn feeds them first). tokens_in /
     tokens_out: the plan's tokens and the reply's. kept_per_role: share of each role's tokens held after the
     compression; retention: per-layer kept tokens and shares; kept_positions: safetensors bytes, per layer
