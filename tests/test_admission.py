@@ -133,3 +133,36 @@ def test_langchain_threads_by_id_and_legacy_title(tmp_path):
     later = model().invoke([HumanMessage("Say goodbye."), old, HumanMessage("Again.")], thread_id="legacy")
     assert later.response_metadata["session_id"] == old.response_metadata["session_id"]
     assert later.response_metadata["turn"] == 2
+
+
+def test_sessions_of_one_tokenizer_share_one_counter_built_once(smollm2, tmp_path, monkeypatch):
+    """Each new session admits its first messages with the torch-free counter; parsing tokenizer.json for it took
+    about 0.8 s on Qwen2.5, once per session. Now once per file: the counter is shared, and a file rewritten since
+    is read again."""
+    import os
+    import shutil
+
+    from snapkv_sessions import admission
+    from snapkv_sessions.store.tokens import TokenCounter
+
+    _, tokenizer = smollm2
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(os.path.join(tokenizer.name_or_path, "tokenizer.json"), folder / "tokenizer.json")
+    built = []
+    real = TokenCounter.from_tokenizer_json.__func__
+    monkeypatch.setattr(TokenCounter, "from_tokenizer_json",
+                        classmethod(lambda cls, path: built.append(path) or real(cls, path)))
+
+    class Named:
+        name_or_path = str(folder)
+
+    first, second = admission._counter_for(Named()), admission._counter_for(Named())
+    assert first is second and len(built) == 1 and first.count("parcel 1003") > 0
+    os.utime(folder / "tokenizer.json", ns=(1, 1))  # rewritten (its time changed): read again
+    assert admission._counter_for(Named()) is not first and len(built) == 2
+
+    class Elsewhere:
+        name_or_path = str(tmp_path / "none")
+
+    assert admission._counter_for(Elsewhere()) is None

@@ -68,6 +68,8 @@ class _NeedsTokenizers(Exception):
     text with ``tokenizers``, which is exact by definition."""
 
 
+DIGIT_CACHE_MAX = 65_536  # digit runs a counter keeps encoded (a process shares one counter per tokenizer)
+
 class TokenCounter:
     """Counts/encodes text like the model's tokenizer, without torch.
 
@@ -247,7 +249,8 @@ class TokenCounter:
                 if cached is None:
                     cached = []
                     self._encode_chunk(piece, cached)
-                    self._digit_cache[piece] = cached
+                    if len(self._digit_cache) < DIGIT_CACHE_MAX:  # one counter serves every session: bounded
+                        self._digit_cache[piece] = cached
                 out.extend(cached)
             else:
                 self._encode_chunk(piece, out)
