@@ -15,6 +15,7 @@ The engine registers :func:`snapkv_attention_forward` under the name ``"snapkv"`
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,9 +74,16 @@ def _decode_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     query (B, Hq, 1, D); key, value (B, Hkv, T, D); key_mask (B, 1 or Hkv, 1, T) bool, (B, Hq, 1, T) fp32
     additive, or None.
     Returns (B, 1, Hq, D)."""
+    if _widening_exact(query.dtype, query.device.type):
+        key, value, key_mask = _whole_buffers(key, value, key_mask)
+    return _decode_products(query, key, value, scaling, key_mask)
+
+
+def _decode_products(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                     key_mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_decode_matmul`'s two matmuls and softmax over the keys as given. Returns (B, 1, Hq, D)."""
     bsz, n_q, _, dim = query.shape
     n_kv = key.shape[1]
-    key, value, key_mask = _whole_buffers(key, value, key_mask)
     grouped = query.view(bsz, n_kv, n_q // n_kv, dim)  # (B, Hkv, G, D) the query heads of each KV head
     logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # (B, Hkv, G, T)
     if key_mask is not None and key_mask.dtype == torch.bool:
@@ -92,6 +100,23 @@ def _decode_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 WIDEN_SHARE, WIDEN_MIN = 0.25, 64
 
 
+@functools.cache
+def _widening_exact(dtype: torch.dtype, device: str) -> bool:
+    """Whether reading the whole buffer gives the bits of the copied keys with this dtype's kernels here (they
+    add each masked slot's exact zero after the others; a kernel that split the key axis by its length would
+    not). Checked once per process on random buffers, batches and lengths; where it fails, steps copy as before."""
+    gen = torch.Generator().manual_seed(0)
+    for bsz, heads, group, t_len, cap in ((1, 2, 7, 7, 9), (1, 1, 4, 333, 390), (3, 2, 2, 1024, 1090)):
+        buffers = [torch.randn(bsz, heads, cap, 64, generator=gen).to(dtype).to(device) for _ in range(2)]
+        query = torch.randn(bsz, heads * group, 1, 64, generator=gen).to(dtype).to(device)
+        keys, values = (b[:, :, :t_len] for b in buffers)  # (B, Hkv, T, D) views
+        wide_k, wide_v, mask = _whole_buffers(keys, values, None)  # (B, Hkv, C, D) and (1, 1, 1, C)
+        copied = _decode_products(query, keys.contiguous(), values.contiguous(), 0.125, None)  # (B, 1, Hq, D)
+        if not torch.equal(_decode_products(query, wide_k, wide_v, 0.125, mask), copied):
+            return False
+    return True
+
+
 def _whole_buffers(key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The keys and values a decode step reads, as contiguous tensors without copying them.
@@ -101,7 +126,8 @@ def _whole_buffers(key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tenso
     2.9K tokens on the 0.5B that copy cost more than the products (300 us a layer against 120). The buffer itself
     is contiguous: when at most ``WIDEN_SHARE`` of ``T`` (or ``WIDEN_MIN``) slots follow the keys in it, the step
     reads the whole buffer, the slots past ``T`` masked out. Their probability is exactly 0 and each kept slot's
-    dot product is its own, so the output is the same bits (``tests/test_attention.py``). Otherwise (a large
+    dot product is its own, so the output is the same bits where the kernels add those zeros last
+    (:func:`_widening_exact` checks that once; ``tests/test_attention.py``). Otherwise (a large
     reply reserve, a view that is not a prefix of a buffer) the views are returned as they are."""
     bsz, heads, t_len, dim = key.shape
     wide = _prefix_buffer(key, t_len, max(WIDEN_MIN, int(t_len * WIDEN_SHARE)))

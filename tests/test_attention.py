@@ -98,3 +98,23 @@ def test_bf16_decode_steps_equal_those_that_copy_the_keys(kind, monkeypatch):
 
     widened, copied = decode(True), decode(False)
     assert all(torch.equal(a, b) for a, b in zip(widened, copied, strict=True))
+
+
+def test_the_buffer_is_read_whole_only_where_the_check_at_first_use_found_the_same_bits(monkeypatch):
+    """The equality rests on the kernels adding each masked slot's zero last; a CPU whose kernels split the key
+    axis by its length would break it, so it is checked once per dtype and process, and where it fails the step
+    copies the keys as before."""
+    attention._widening_exact.cache_clear()
+    found = attention._widening_exact(torch.bfloat16, "cpu")  # this CPU's answer (True on the AMX and EPYC runs)
+    assert isinstance(found, bool) and attention._widening_exact(torch.bfloat16, "cpu") is found
+    keys = _buffer(1, 2, 80, 70, 64, 0)[:, :, :70]
+    query = torch.randn(1, 14, 1, 64).to(torch.bfloat16)
+    widened = []
+    real = attention._whole_buffers
+    monkeypatch.setattr(attention, "_whole_buffers", lambda *a: widened.append(1) or real(*a))
+    monkeypatch.setattr(attention, "_widening_exact", lambda dtype, device: False)
+    copied = _decode_matmul(query, keys, keys, 0.125, None)
+    assert widened == []
+    monkeypatch.setattr(attention, "_widening_exact", lambda dtype, device: True)
+    whole = _decode_matmul(query, keys, keys, 0.125, None)
+    assert widened == [1] and (torch.equal(whole, copied) or not found)
