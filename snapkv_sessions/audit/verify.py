@@ -79,10 +79,9 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
     else:  # the process's pool settings stay as they are: a tier is lost below where the record says it was
         policy = policy.model_copy(update={"memory": policy.memory.model_copy(update={"max_bytes": None,
                                                                                       "spill_dir": None})})
-    runner, model_id = runner_for(model)
     chunks = _Recorded()  # each turn prefills in the chunks it recorded (they change the last bits)
-    chunks.runner = runner.on(chunks)
-    session = Session.create_on(chunks.runner, model_id, Policy.load(policy).stated(), scratch, {})
+    chunks.runner = runner_for(model)[0].on(chunks)
+    session = Session.create(chunks.runner, policy=policy, store=scratch)
     by_user = {t["user_seq"]: t for t in done}
     # a tier lost to the byte cap depends on the process, not on the session: the re-execution loses it where
     # the live turn did, so that turn re-prefills as recorded
