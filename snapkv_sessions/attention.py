@@ -75,22 +75,29 @@ def _decode_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     additive, or None.
     Returns (B, 1, Hq, D)."""
     if _widening_exact(query.dtype, query.device.type):
-        key, value, key_mask = _whole_buffers(key, value, key_mask)
+        wide = _whole_buffers(key, value)
+        if wide is not None:
+            return _decode_products(query, *wide, scaling, key_mask, seen=key.shape[2])
     return _decode_products(query, key, value, scaling, key_mask)
 
 
 def _decode_products(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     key_mask: torch.Tensor | None) -> torch.Tensor:
-    """:func:`_decode_matmul`'s two matmuls and softmax over the keys as given. Returns (B, 1, Hq, D)."""
+                     key_mask: torch.Tensor | None, seen: int | None = None) -> torch.Tensor:
+    """:func:`_decode_matmul`'s two matmuls and softmax over the keys as given; ``seen``: only the first ``seen``
+    slots hold keys (the others get probability 0), and ``key_mask`` covers those. Returns (B, 1, Hq, D)."""
     bsz, n_q, _, dim = query.shape
-    n_kv = key.shape[1]
+    n_kv, width = key.shape[1], key.shape[2]
     grouped = query.view(bsz, n_kv, n_q // n_kv, dim)  # (B, Hkv, G, D) the query heads of each KV head
-    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # (B, Hkv, G, T)
+    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # (B, Hkv, G, C)
+    seen = width if seen is None else seen
+    if seen < width:
+        logits[..., seen:] = float("-inf")  # the buffer's spare slots: a fill of the tail alone, in place
+    held = logits[..., :seen]  # (B, Hkv, G, T) a view
     if key_mask is not None and key_mask.dtype == torch.bool:
-        logits = logits.masked_fill(~key_mask, float("-inf"))  # (B, 1 or Hkv, 1, T) broadcast over the group
+        held.masked_fill_(~key_mask, float("-inf"))  # (B, 1 or Hkv, 1, T) broadcast over the group
     elif key_mask is not None:
-        logits = logits + key_mask.float().view(bsz, n_kv, n_q // n_kv, -1)  # (B, Hq, 1, T): per query head
-    probs = logits.softmax(dim=-1).to(value.dtype)  # (B, Hkv, G, T)
+        held += key_mask.float().view(bsz, n_kv, n_q // n_kv, -1)  # (B, Hq, 1, T): per query head
+    probs = logits.softmax(dim=-1).to(value.dtype)  # (B, Hkv, G, C)
     out = torch.matmul(probs, value)  # (B, Hkv, G, D)
     return out.view(bsz, 1, n_q, dim)  # (B, 1, Hq, D): one position, the heads in order
 
@@ -110,41 +117,35 @@ def _widening_exact(dtype: torch.dtype, device: str) -> bool:
         buffers = [torch.randn(bsz, heads, cap, 64, generator=gen).to(dtype).to(device) for _ in range(2)]
         query = torch.randn(bsz, heads * group, 1, 64, generator=gen).to(dtype).to(device)
         keys, values = (b[:, :, :t_len] for b in buffers)  # (B, Hkv, T, D) views
-        wide_k, wide_v, mask = _whole_buffers(keys, values, None)  # (B, Hkv, C, D) and (1, 1, 1, C)
+        wide = _whole_buffers(keys, values)  # (B, Hkv, C, D) each; None for one head's slots (contiguous)
+        if wide is None:
+            continue
         copied = _decode_products(query, keys.contiguous(), values.contiguous(), 0.125, None)  # (B, 1, Hq, D)
-        if not torch.equal(_decode_products(query, wide_k, wide_v, 0.125, mask), copied):
+        if not torch.equal(_decode_products(query, *wide, 0.125, None, seen=t_len), copied):
             return False
     return True
 
 
-def _whole_buffers(key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The keys and values a decode step reads, as contiguous tensors without copying them.
+def _whole_buffers(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The buffers (B, Hkv, C, D) a decode step reads instead of the keys and values, without copying them; None
+    where the step reads the views as they are.
 
     A cache's keys are the first ``T`` slots of a preallocated buffer ``(B, Hkv, C, D)`` (:class:`CompactLayer`,
     the slot pool), so their view is not contiguous, and a CPU ``bmm`` copies a non-contiguous operand first: at
     2.9K tokens on the 0.5B that copy cost more than the products (300 us a layer against 120). The buffer itself
     is contiguous: when at most ``WIDEN_SHARE`` of ``T`` (or ``WIDEN_MIN``) slots follow the keys in it, the step
-    reads the whole buffer, the slots past ``T`` masked out. Their probability is exactly 0 and each kept slot's
-    dot product is its own, so the output is the same bits where the kernels add those zeros last
-    (:func:`_widening_exact` checks that once; ``tests/test_attention.py``). Otherwise (a large
-    reply reserve, a view that is not a prefix of a buffer) the views are returned as they are."""
-    bsz, heads, t_len, dim = key.shape
+    reads the whole buffer, the slots past ``T`` given probability 0 (:func:`_decode_products`' ``seen``). Each
+    kept slot's dot product is its own, so the output is the same bits where the kernels add those zeros last
+    (:func:`_widening_exact` checks that once; ``tests/test_attention.py``). Otherwise (a large reply reserve, a
+    view that is not a prefix of a buffer, keys contiguous already) None."""
+    t_len = key.shape[2]
     wide = _prefix_buffer(key, t_len, max(WIDEN_MIN, int(t_len * WIDEN_SHARE)))
     if wide is None or value.shape != key.shape:
-        return key, value, key_mask
+        return None
     wide_v = _prefix_buffer(value, t_len, wide.shape[2] - t_len)
     if wide_v is None or wide_v.shape != wide.shape:
-        return key, value, key_mask
-    extra = wide.shape[2] - t_len
-    seen = torch.arange(wide.shape[2], device=key.device) < t_len  # (C,) the slots that hold keys
-    if key_mask is None:
-        mask = seen.view(1, 1, 1, -1)  # (1, 1, 1, C)
-    elif key_mask.dtype == torch.bool:
-        mask = F.pad(key_mask, (0, extra), value=False)  # (B, 1 or Hkv, 1, C)
-    else:  # an additive fp32 mask
-        mask = F.pad(key_mask, (0, extra), value=float("-inf"))
-    return wide, wide_v, mask
+        return None
+    return wide, wide_v
 
 
 def _prefix_buffer(x: torch.Tensor, t_len: int, most_extra: int) -> torch.Tensor | None:

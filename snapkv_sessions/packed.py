@@ -175,6 +175,19 @@ def is_packed(model: torch.nn.Module) -> bool:
     return any(hasattr(m, _PACKED) for m in model.modules())
 
 
+def sibling_group(module: torch.nn.Linear) -> _Fused | None:
+    """The fused group ``module`` (the first of its :data:`SIBLINGS`) runs in for small inputs, or None: what a
+    caller that runs the group itself (:mod:`snapkv_sessions.decode`) calls instead of each projection."""
+    return getattr(module, "_snapkv_fused", None)
+
+
+def packing_of(module: torch.nn.Linear) -> tuple[int, int]:
+    """Identifies how ``module`` runs now (its packed weight, its fused group; 0 for none): what a plan built over
+    the model's linears is keyed by, so packing or unpacking afterwards makes it be built again."""
+    weight, group = getattr(module, _PACKED, None), getattr(module, "_snapkv_fused", None)
+    return (0 if weight is None else id(weight)), (0 if group is None else id(group))
+
+
 def _packed_forward(module: torch.nn.Linear):
     packed = getattr(module, _PACKED)
     bias = None if module.bias is None else module.bias.detach()  # shares the bias's storage

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from . import attention, interrupts, stats
+from . import attention, decode, interrupts, stats
 from .attention import WindowProbe
 from .cache import CompactCache, PlainDynamicCache
 from .compress import Layout, Selection, compress, protect_mask
@@ -253,7 +253,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: Forward) -> torch.Tensor:
-        """Run the model once; returns the last position's next-token logits of every row, (B, V)."""
+        """Run the model once; returns the last position's next-token logits of every row, (B, V). A decode step
+        (one token a row, no probe) runs layer by layer from the model's parts where that gives the same bits
+        (:mod:`snapkv_sessions.decode`)."""
+        if step.input_ids.shape[1] == 1 and step.probe is None:
+            fast = decode.for_model(self.model)
+            if fast is not None:
+                return fast(step.input_ids, step.position_ids, step.cache, step.key_masks, step.recall)  # (B, V)
         out = self.model(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
