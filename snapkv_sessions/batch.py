@@ -231,30 +231,56 @@ class SlotPool:
         return state
 
 
+class _StepRows:
+    """What the layers of one step share: for each distinct set of slot lengths (every layer's, unless budgets
+    differ by layer), where each slot's new token goes and the mask of the keys each slot may see, built once."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self.memo: dict[tuple[int, ...], tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+
+    def get(self, lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """``(at, span, mask)``: ``at`` (n,) each slot's length, where its token goes; ``span`` the keys the step
+        reads; ``mask`` (n, 1, 1, span) bool, or None where every slot sees all ``span`` keys (one slot, or slots
+        of one length: the step then reads what a step alone reads, with no mask)."""
+        got = self.memo.get(lengths)
+        if got is None:
+            at = torch.tensor(lengths, device=device)  # (n,)
+            span = self.pool.width if self.pool.static else max(lengths) + 1
+            if span == min(lengths) + 1:
+                mask = None
+            else:
+                mask = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (n, 1, 1, T)
+            got = self.memo[lengths] = (at, span, mask)
+        return got
+
+
 class SlotLayer(DynamicLayer):
     """One layer of a step: the active slots of the pool, seen as the layer's cache."""
 
-    def __init__(self, pool: SlotPool, n: int, masks: KeyMasks, index: int) -> None:
+    def __init__(self, pool: SlotPool, n: int, masks: KeyMasks, index: int, rows: _StepRows) -> None:
         super().__init__()
-        self.pool, self.n, self.masks, self.index = pool, n, masks, index
+        self.pool, self.n, self.masks, self.index, self.rows = pool, n, masks, index, rows
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """``key_states``/``value_states`` (n, Hkv, 1, D): written in place at each slot's length; returns the
         slots' keys and values (n, Hkv, T, D), T the longest slot (or the width when static), and records the
-        layer's key mask (n, 1, 1, T)."""
+        layer's key mask (n, 1, 1, T), or (n, Hkv, 1, T) with padding, or None when every slot sees all T."""
         pool, n = self.pool, self.n
-        lengths = [s.lengths[self.index] for s in pool.slots]
-        device = key_states.device
-        rows = torch.arange(n, device=device)  # (n,)
-        at = torch.tensor(lengths, device=device)  # (n,) where each slot's new token goes
+        lengths = tuple(s.lengths[self.index] for s in pool.slots)
+        at, span, mask = self.rows.get(lengths, key_states.device)
         keys, values = pool.keys[self.index], pool.values[self.index]  # (S, Hkv, T_cap, D)
-        keys[rows, :, at] = key_states[:, :, 0]  # (n, Hkv, D)
-        values[rows, :, at] = value_states[:, :, 0]
-        span = pool.width if pool.static else max(lengths) + 1
-        mask = (torch.arange(span, device=device)[None] <= at[:, None])[:, None, None]  # (n, 1, 1, T)
+        if len(set(lengths)) == 1:  # one place for every slot: a plain strided copy
+            keys[:n, :, lengths[0]] = key_states[:, :, 0]  # (n, Hkv, D)
+            values[:n, :, lengths[0]] = value_states[:, :, 0]
+        else:
+            rows = torch.arange(n, device=key_states.device)  # (n,)
+            keys[rows, :, at] = key_states[:, :, 0]  # (n, Hkv, D)
+            values[rows, :, at] = value_states[:, :, 0]
         if pool.visible is not None:  # a slot's padding slots, per KV head
-            mask = mask & pool.visible[self.index][:n, :, None, :span]  # (n, Hkv, 1, T)
+            visible = pool.visible[self.index][:n, :, None, :span]  # (n, Hkv, 1, T)
+            mask = visible if mask is None else mask & visible
         self.masks[self.index] = mask
         return keys[:n, :, :span], values[:n, :, :span]  # (n, Hkv, T, D) views
 
@@ -266,7 +292,8 @@ class SlotCache(Cache):
     """The pool's active slots as one batched cache, for one decode step."""
 
     def __init__(self, pool: SlotPool, n: int, masks: KeyMasks) -> None:
-        super().__init__(layers=[SlotLayer(pool, n, masks, i) for i in range(pool.num_layers)])
+        rows = _StepRows(pool)
+        super().__init__(layers=[SlotLayer(pool, n, masks, i, rows) for i in range(pool.num_layers)])
 
 
 def decode_step(runner, states: Sequence[KVState], tokens: Sequence[int]) -> torch.Tensor:

@@ -148,3 +148,31 @@ def test_an_idle_pool_gives_its_memory_back_and_decodes_the_same_after(static):
     assert pool.nbytes() == (large if static else 0)  # static: fixed shapes, kept; otherwise freed once idle
     assert run(3) == (large if static else small)  # after the shrink (or in the kept buffers): as alone
     assert pool.nbytes() == (large if static else 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_one_slot_steps_with_no_key_mask_and_the_bits_of_the_step_alone(kind, monkeypatch):
+    """A slot that sees every key it spans needs no mask: the step reads what a step alone reads, so one reply in
+    the pool (the server's single stream) gets the logits of :meth:`ModelRunner.step` bit for bit."""
+    from snapkv_sessions import batch
+
+    runner = ModelRunner(build_tiny(kind, layers=2))
+    pooled, alone = _sessions(runner)[1], _sessions(runner)[1]
+    token = pooled.pending[0]
+    pooled.pending, alone.pending = [], []
+    recorded = []
+
+    class Recording(batch.KeyMasks):
+        def __setitem__(self, layer, mask):
+            recorded.append(mask)
+            super().__setitem__(layer, mask)
+
+    monkeypatch.setattr(batch, "KeyMasks", Recording)
+    pool = batch.SlotPool(runner.num_layers, 4)
+    pool.admit(pooled, 1)
+    for _ in range(4):
+        got = pool.step(runner, [token])[0]  # (V,)
+        want = runner.step(alone, token)
+        assert torch.equal(got, want)
+        token = int(want.argmax())
+    assert len(recorded) == 4 * runner.num_layers and set(recorded) == {None}
