@@ -29,7 +29,7 @@ ATTN_NAME = "snapkv"
 
 
 def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                key_mask: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
     """Scaled dot-product attention whose queries are the last ``Q`` positions of the keys.
 
     Parameters
@@ -40,6 +40,10 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
         padded into one batch (:mod:`snapkv_sessions.batch`), or the padding slots of heads that keep different
         numbers of slots (:mod:`snapkv_sessions.allocate`); None: all of them. Or, at decode, (B, Hq, 1, T) fp32
         added to the scaled logits (-inf: not seen; :func:`with_recalled`'s tail estimate)
+
+    split : a prefill onto a cache (``Q < T``) attends in two parts merged by their log-sum-exp
+        (:func:`split_prefill`) where no key mask applies, on a CPU; else through one masked SDPA. A turn records
+        which ran (they differ in the last bits), so a replay runs the same.
 
     Returns
     -------
@@ -57,12 +61,39 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=key_mask, scale=scaling, enable_gqa=gqa)
     elif q_len == t_len and key_mask is None:  # prefill on an empty cache: plain causal
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    elif split and key_mask is None and query.device.type == "cpu":  # prefill onto a cache, in two parts
+        return split_prefill(query, key, value, scaling)
     else:  # prefill onto a cache: bottom-right aligned causal mask
         mask = torch.ones(q_len, t_len, dtype=torch.bool, device=query.device).tril(t_len - q_len)  # (Q, T)
         if key_mask is not None:
             mask = mask & key_mask  # (B, H, Q, T)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()  # (B, Q, Hq, D)
+
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def split_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A prefill chunk's attention onto a cache: its ``Q`` queries are the last ``Q`` of the ``T`` keys.
+
+    One SDPA with the bottom-right causal mask computes all ``Q x T`` products and then masks them: PyTorch's CPU
+    flash kernel skips masked blocks only for ``is_causal``, which aligns top-left. So the keys are taken in two
+    parts: the ``T - Q`` earlier ones, which every query sees (no mask), and the chunk's own ``Q``, square and
+    causal; the two outputs are merged by their log-sum-exp, in fp32. Same attention, other rounding. Measured on
+    Qwen2.5-Coder-0.5B's heads (bf16, 2 cores): 175 against 333 ms per layer for 4,096 queries onto 8,192 keys.
+
+    query (B, Hq, Q, D); key, value (B, Hkv, T, D) with T > Q. Returns (B, Q, Hq, D)."""
+    if _FLASH is None:  # a torch without the kernel: the one masked SDPA
+        return causal_sdpa(query, key, value, scaling)
+    q_len, t_len = query.shape[-2], key.shape[-2]
+    cut = t_len - q_len  # the earlier keys: every query sees them
+    before, lse_before = _FLASH(query, key[:, :, :cut], value[:, :, :cut], 0.0, False, scale=scaling)  # (B, Hq, Q, D)
+    own, lse_own = _FLASH(query, key[:, :, cut:], value[:, :, cut:], 0.0, True, scale=scaling)  # (B, Hq, Q), fp32
+    lse = torch.logaddexp(lse_before, lse_own)  # (B, Hq, Q) the whole row's normaliser
+    out = (before.float() * (lse_before - lse).exp()[..., None]
+           + own.float() * (lse_own - lse).exp()[..., None])  # (B, Hq, Q, D) fp32
+    return out.to(query.dtype).transpose(1, 2).contiguous()  # (B, Q, Hq, D)
 
 
 def _decode_matmul(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -202,7 +233,8 @@ def window_mean(probs: torch.Tensor) -> torch.Tensor:
 
 
 def attention_with_window(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                          probs: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                          probs: torch.Tensor, key_mask: torch.Tensor | None = None,
+                          split: bool = False) -> torch.Tensor:
     """:func:`causal_sdpa`'s output, its last ``W`` rows taken from the probabilities ``probs`` (B, Hkv, G, W, T)
     of those rows, which the probe has computed anyway (W: the window, or every row of a short prefill): a later
     turn's prefill then computes its attention once, not twice. The earlier rows, if any, are causal SDPA over the
@@ -219,7 +251,7 @@ def attention_with_window(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return tail.contiguous()
     cut = t_len - window  # the earlier rows' keys: everything before the window
     mask = None if key_mask is None else key_mask[..., :cut]  # (B, 1 or Hkv, 1, T - W)
-    head = causal_sdpa(query[:, :, : q_len - window], key[:, :, :cut], value[:, :, :cut], scaling, mask)
+    head = causal_sdpa(query[:, :, : q_len - window], key[:, :, :cut], value[:, :, :cut], scaling, mask, split)
     return torch.cat([head, tail], dim=1)  # (B, Q, Hq, D)
 
 
@@ -282,6 +314,7 @@ def snapkv_attention_forward(
     snapkv_probe: WindowProbe | None = None,
     snapkv_keymask: object | None = None,
     snapkv_recall: object | None = None,
+    snapkv_split: bool = False,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """``transformers.AttentionInterface`` function: causal SDPA plus the optional window probe.
@@ -296,10 +329,10 @@ def snapkv_attention_forward(
     if snapkv_probe is not None:
         probs = snapkv_probe.record(module.layer_idx, query, key, scaling, key_mask)  # (B, Hkv, G, R, T)
         if snapkv_recall is None or query.shape[-2] > 1:  # the probed rows' output from their probabilities
-            return attention_with_window(query, key, value, scaling, probs, key_mask), None
+            return attention_with_window(query, key, value, scaling, probs, key_mask, snapkv_split), None
     if snapkv_recall is not None and query.shape[-2] == 1:  # decode: also what the step recalls from the tier
         key, value, key_mask = with_recalled(snapkv_recall, module.layer_idx, query, key, value, key_mask, scaling)
-    return causal_sdpa(query, key, value, scaling, key_mask), None
+    return causal_sdpa(query, key, value, scaling, key_mask, snapkv_split), None
 
 
 def with_recalled(recall, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

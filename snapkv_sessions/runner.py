@@ -36,6 +36,11 @@ from .support import check_supported, fingerprint
 from .tier import TieredCache
 from .transcript import TurnPlan, observation_window, to_ranges
 
+MASKED, SPLIT = "masked", "split"
+# how a prefill chunk attends onto a cache: one SDPA with the bottom-right causal mask, or in two parts merged by
+# their log-sum-exp (attention.split_prefill); the same attention with other rounding, so each turn records it
+PREFILL_ATTENTION = (MASKED, SPLIT)
+
 
 @dataclass
 class Forward:
@@ -51,6 +56,7 @@ class Forward:
     probe: WindowProbe | None = None
     key_masks: object | None = None  # .get(layer) -> (B, 1 or Hkv, 1, T) bool or None
     recall: object | None = None  # .extra(layer, query): a decode step's recall from the tier (recall.Recall)
+    split: bool = False  # a prefill onto a cache attends in two parts (attention.split_prefill)
 
 
 class Executor(Protocol):
@@ -118,6 +124,7 @@ class TurnResult:
     protect_applied: bool | None = None  # None: no compression ran; else whether the plan's protect fit
     kept: list[torch.Tensor] | None = None  # positions[l] (B, Hkv, K) right after the compression, if it ran
     chunks: list[int] | None = None  # tokens each forward of the prefill fed (what a replay feeds again)
+    attention: str = MASKED  # how the prefill attended onto the cache (PREFILL_ATTENTION; a replay does the same)
 
 
 class TurnRun:
@@ -203,6 +210,13 @@ class ModelRunner:
         self.num_layers: int = cfg.num_hidden_layers
         self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.rotary = Rotary.of(model)  # the model's RoPE: a recall selector may summarise keys before it
+        # how this runner's live prefills attend onto a cache (a replay runs what its record says): in two parts
+        # for bf16 and fp16 on a CPU, where it halves a long chunk's attention; fp32 (the equality tests'
+        # reference) keeps the one masked SDPA
+        weight = next(model.parameters())
+        self.prefill_attention = (SPLIT if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16,
+                                                                                           torch.float16)
+                                  else MASKED)
         gen = getattr(model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         eos = eos if eos is not None else cfg.eos_token_id
@@ -269,25 +283,28 @@ class ModelRunner:
             snapkv_probe=step.probe,
             snapkv_keymask=step.key_masks,
             snapkv_recall=step.recall,
+            snapkv_split=step.split,
         )
         return out.logits[:, -1]  # (B, V)
 
     def _forward(self, state: KVState, ids: list[int], probe: WindowProbe | None, *, whole: bool = False,
-                 remaining: int = 0) -> torch.Tensor:
+                 remaining: int = 0, split: bool = False) -> torch.Tensor:
         """Feed ``ids`` at their true positions. ``whole``: a prefill, which attends to whatever the state's memory
         holds of the history (a tier's cold part too); decode reads the hot cache alone. ``remaining``: the
-        prefill's tokens from these on (the executor's order)."""
-        return self.executor.call(lambda: self._forward_now(state, ids, probe, whole), remaining)
+        prefill's tokens from these on (the executor's order); ``split``: a prefill attends in two parts."""
+        return self.executor.call(lambda: self._forward_now(state, ids, probe, whole, split), remaining)
 
     @torch.inference_mode()
-    def _forward_now(self, state: KVState, ids: list[int], probe: WindowProbe | None, whole: bool) -> torch.Tensor:
+    def _forward_now(self, state: KVState, ids: list[int], probe: WindowProbe | None, whole: bool,
+                     split: bool = False) -> torch.Tensor:
         start = state.next_position
         input_ids = torch.tensor([ids], device=self.device)  # (1, n)
         position_ids = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, n) true positions
         masks = state.cache.key_masks()  # a layer whose heads keep uneven counts hides its padding slots
         if whole:
             with state.cache.attending(state):
-                logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks))  # (1, V)
+                logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks,
+                                              split=split))  # (1, V)
         else:  # decode: the hot slots, and what the step recalls from a tier
             recall = state.cache.recall(state) if len(ids) == 1 else None
             logits = self.forward(Forward(input_ids, position_ids, state.cache, probe, masks, recall))  # (1, V)
@@ -314,14 +331,18 @@ class ModelRunner:
         -------
         The next-token logits (V,), and the probe holding each layer's window scores (or None).
         """
-        logits, probe, _ = self._prefill(state, ids, pinned, window, None)
+        logits, probe, _ = self._prefill(state, ids, pinned, window, None, state.attention or self.prefill_attention)
         return logits, probe
 
     def _prefill(self, state: KVState, ids: Sequence[int], pinned: bool | Sequence[bool], window: int | None,
-                 chunks: Sequence[int] | None) -> tuple[torch.Tensor, WindowProbe | None, list[int]]:
+                 chunks: Sequence[int] | None, attention: str = MASKED,
+                 ) -> tuple[torch.Tensor, WindowProbe | None, list[int]]:
         """:meth:`prefill`, in the ``chunks`` given (a recorded turn's: tokens per forward, the pending ones
         included) or, when None, in chunks of at most :attr:`prefill_chunk` the executor sizes one by one; also
-        returns the chunks it ran. The observation window always lies in the last chunk."""
+        returns the chunks it ran. The observation window always lies in the last chunk. ``attention``: one of
+        :data:`PREFILL_ATTENTION`."""
+        if attention not in PREFILL_ATTENTION:
+            raise ConfigError("attention", attention, f"must be one of {list(PREFILL_ATTENTION)}")
         ids = [int(t) for t in ids]
         flags = [bool(pinned)] * len(ids) if isinstance(pinned, bool) else [bool(p) for p in pinned]
         if len(flags) != len(ids):
@@ -349,7 +370,7 @@ class ModelRunner:
                     hi = n_todo - window if n_todo - window > lo else n_todo
             interrupts.check()  # a deadline or a client gone stops a long prefill between chunks
             logits = self._forward(state, todo[lo:hi], probe if hi == n_todo else None, whole=True,
-                                   remaining=n_todo - lo)
+                                   remaining=n_todo - lo, split=attention == SPLIT)
             state.append(todo[lo:hi], todo_flags[lo:hi], self.num_kv_heads, self.device)
             ran.append(hi - lo)
             lo = hi
@@ -405,10 +426,13 @@ class ModelRunner:
         reach = plan.window - len(state.pending) - len(plan.tokens) if plan.window and compression else 0
         state.cache.begin_turn(state, reach)
         prefilled = len(state.pending) + len(plan.tokens)
-        logits, probe, chunks = self._prefill(state, plan.tokens, plan.pinned_flags(), plan.window, plan.chunks)
+        attention = plan.attention if plan.attention is not None else self.prefill_attention  # a record's, or ours
+        state.attention = attention
+        logits, probe, chunks = self._prefill(state, plan.tokens, plan.pinned_flags(), plan.window, plan.chunks,
+                                              attention)
         result = TurnResult(tokens=[], stop_reason=None, report=None, prefill_ms=(time.perf_counter() - t0) * 1e3,
                             decode_ms=0.0, prompt_tokens=len(plan.tokens), prefill_end=state.next_position,
-                            prefilled=prefilled, chunks=chunks)
+                            prefilled=prefilled, chunks=chunks, attention=attention)
         if probe is not None:
             protect = protect_mask(state, plan.protect, compression, self.num_layers, probe.window)
             result.report = self.compress(state, compression, probe, protect)

@@ -44,6 +44,9 @@ class KVState:
     pending_pinned: list[bool] = field(default_factory=list)
     reports: list[CompressionReport] = field(default_factory=list)
     last_stop_reason: str | None = None
+    # how the current turn's prefill attended onto the cache (runner.PREFILL_ATTENTION); a step taken again over
+    # the whole history during its decode attends the same way. None: no turn ran yet (the runner's own)
+    attention: str | None = None
 
     @property
     def cold(self):
@@ -82,7 +85,7 @@ class KVState:
         return KVState(cache=self.cache.clone(), positions=[p.clone() for p in self.positions],
                        token_ids=list(self.token_ids), pinned=self.pinned.clone(), pending=list(self.pending),
                        pending_pinned=list(self.pending_pinned), reports=list(self.reports),
-                       last_stop_reason=self.last_stop_reason)
+                       last_stop_reason=self.last_stop_reason, attention=self.attention)
 
     def requeue(self, start: int) -> None:
         """Send the tokens at true positions ``start`` and after back to ``pending``, ahead of what is pending

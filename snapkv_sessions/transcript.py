@@ -105,6 +105,8 @@ class TurnPlan:
     reprefill: the cache restarts empty before this prefill (recovery: the store rebuilds it)
     chunks: tokens each forward of the prefill feeds (pending ones included), as the recorded turn ran it; None
         (a live plan): the runner sizes them (:meth:`~snapkv_sessions.runner.ModelRunner.run` records them)
+    attention: how the recorded prefill attended onto the cache (``masked``, ``split``; a record without it:
+        ``masked``, the only way before it was recorded); None (a live plan): the runner's own
     render: how the tokens were rendered (live plans only; not recorded)
     """
 
@@ -116,6 +118,7 @@ class TurnPlan:
     window: int | None = None
     reprefill: bool = False
     chunks: tuple[int, ...] | None = field(default=None, compare=False)
+    attention: str | None = field(default=None, compare=False)
     render: RenderDelta | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -151,11 +154,14 @@ class TurnPlan:
         if chunks is not None and (not isinstance(chunks, list) or not chunks
                                    or not all(type(c) is int and c > 0 for c in chunks)):
             raise PlanError(f"segments.chunks={str(chunks)[:80]!r}: must be a list of positive token counts")
+        attention = record.get("attention", "masked")  # recorded since the split attention; before: masked
+        if attention not in ("masked", "split"):
+            raise PlanError(f"segments.attention={str(attention)[:80]!r}: must be 'masked' or 'split'")
         return cls(tokens=tuple(int(t) for t in tokens), first_position=first, owners=owners,
                    pinned=tuple((int(a), int(b)) for a, b in record.get("pinned") or []),
                    protect=tuple((int(a), int(b)) for a, b in record.get("protect") or []),
                    window=record.get("window"), reprefill=bool(record.get("reprefill")),
-                   chunks=None if chunks is None else tuple(chunks))
+                   chunks=None if chunks is None else tuple(chunks), attention=attention)
 
 
 @dataclass(frozen=True)

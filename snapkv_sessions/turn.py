@@ -70,6 +70,8 @@ class TurnOutcome:
             segments["protect_applied"] = result.protect_applied
         if result.chunks is not None:  # a replay feeds the same chunks (they change the last bits)
             segments["chunks"] = result.chunks
+        if result.attention != "masked":  # and attends the same way (a record without it: masked)
+            segments["attention"] = result.attention
         return {
             "prefill_tokens": list(plan.tokens), "decode_tokens": reply_tokens[0], "pending_tokens": reply_tokens[1],
             "segments": segments, "tokens_in": len(plan.tokens), "tokens_out": len(result.tokens),

@@ -49,8 +49,8 @@ def _prefill_forwards(runner: ModelRunner) -> list[int]:
     """The tokens of each prefill forward ``runner`` runs from now on (appended as they run)."""
     fed: list[int] = []
     forward = runner._forward_now
-    runner._forward_now = lambda state, ids, probe, whole: (fed.append(len(ids)) if whole else None) or forward(
-        state, ids, probe, whole)
+    runner._forward_now = lambda state, ids, probe, whole, split=False: (
+        fed.append(len(ids)) if whole else None) or forward(state, ids, probe, whole, split)
     return fed
 
 
