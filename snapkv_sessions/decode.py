@@ -58,6 +58,7 @@ class _Layer:
     attention: torch.nn.Module  # what the attention function is handed (its layer_idx, scaling)
     norm_in: Linear  # input_layernorm
     qkv: Group  # (M, H) -> q (M, Hq*D), k (M, Hkv*D), v (M, Hkv*D)
+    joined: packed._Fused | None  # q/k/v as one packed matmul (their outputs side by side), if fused
     out: Linear  # o_proj
     norm_post: Linear  # post_attention_layernorm
     gate_up: Group  # (M, H) -> gate, up (M, I) each
@@ -80,6 +81,7 @@ class DecodeStep:
                 attention=layer.self_attn,
                 norm_in=layer.input_layernorm.forward,
                 qkv=_group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                joined=packed.sibling_group(layer.self_attn.q_proj),
                 out=layer.self_attn.o_proj.forward,
                 norm_post=layer.post_attention_layernorm.forward,
                 gate_up=_group([layer.mlp.gate_proj, layer.mlp.up_proj]),
@@ -97,12 +99,19 @@ class DecodeStep:
         cos, sin = self.rotary(h, position_ids)  # (B, 1, D) each
         cos, sin = cos[:, None], sin[:, None]  # (B, 1, 1, D): the same for every head
         for layer in self.layers:
-            x = layer.norm_in(h)  # (B, 1, H)
-            q, k, v = layer.qkv(x.view(bsz, -1))  # (B, Hq*D), (B, Hkv*D), (B, Hkv*D)
-            q = _rotate(q.view(bsz, 1, -1, dim).transpose(1, 2), cos, sin)  # (B, Hq, 1, D)
-            k = _rotate(k.view(bsz, 1, -1, dim).transpose(1, 2), cos, sin)  # (B, Hkv, 1, D)
-            v = v.view(bsz, 1, -1, dim).transpose(1, 2)  # (B, Hkv, 1, D)
+            x = layer.norm_in(h).view(bsz, -1)  # (B, H)
             attn = layer.attention
+            joined = layer.joined
+            if joined is not None and bsz <= joined.rows:  # q and k side by side: rotated together, one pass
+                n_q, n_kv = joined.splits[0] // dim, joined.splits[1] // dim
+                heads = joined.matmul(x).view(bsz, 1, -1, dim).transpose(1, 2)  # (B, Hq + 2 Hkv, 1, D)
+                qk = _rotate(heads[:, : n_q + n_kv], cos, sin)  # (B, Hq + Hkv, 1, D)
+                q, k, v = qk[:, :n_q], qk[:, n_q:], heads[:, n_q + n_kv :]  # (B, Hq | Hkv | Hkv, 1, D) views
+            else:
+                q, k, v = layer.qkv(x)  # (B, Hq*D), (B, Hkv*D), (B, Hkv*D)
+                q = _rotate(q.view(bsz, 1, -1, dim).transpose(1, 2), cos, sin)  # (B, Hq, 1, D)
+                k = _rotate(k.view(bsz, 1, -1, dim).transpose(1, 2), cos, sin)  # (B, Hkv, 1, D)
+                v = v.view(bsz, 1, -1, dim).transpose(1, 2)  # (B, Hkv, 1, D)
             k, v = cache.update(k, v, attn.layer_idx)  # (B, Hkv, T, D) each: the layer's whole cache
             o, _ = snapkv_attention_forward(attn, q, k, v, None, scaling=attn.scaling, snapkv_keymask=key_masks,
                                             snapkv_recall=recall)  # (B, 1, Hq, D)

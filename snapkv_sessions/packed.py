@@ -85,9 +85,12 @@ class _Fused:
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.stash = threading.local()  # .value: (input, [the later siblings' outputs]) after the first sibling
 
+    def matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """The siblings' outputs side by side: (M, in) -> (M, sum of outs)."""
+        return _LINEAR(flat, self.packed, self.bias, "none", [], "")
+
     def run(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out = _LINEAR(flat, self.packed, self.bias, "none", [], "")  # (M, sum of outs)
-        return list(out.split(self.splits, dim=-1))  # each (M, out_i)
+        return list(self.matmul(flat).split(self.splits, dim=-1))  # each (M, out_i)
 
 
 _LINEAR = torch.ops.mkldnn._linear_pointwise.default if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None

@@ -110,6 +110,7 @@ def test_packed_and_fused_linears_decode_the_same_bits_and_packing_rebuilds_the_
     fused = decode.for_model(model)
     assert fused is not None and fused is not plain  # packing changed how the linears run: built again
     assert decode.for_model(model) is fused  # and kept
+    assert all(layer.joined is not None for layer in fused.layers)  # q and k rotated together from the one matmul
     cfg = CompressionConfig.make(budget=24, window=4)
     _assert_same(*(_session(runner, p, monkeypatch, cfg) for p in ("", "modules")))
 
