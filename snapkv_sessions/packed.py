@@ -71,7 +71,7 @@ def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class _Fused:
+class Fused:
     """Sibling projections packed as one weight: for an input of at most ``rows`` rows the first sibling runs the
     one matmul and leaves the others' slices for them, keyed by the input tensor itself (per thread)."""
 
@@ -112,7 +112,7 @@ def fuse_siblings(model: torch.nn.Module, rows: int = 8) -> int:
                 continue
             if len({(m.in_features, m.weight.dtype, m.bias is None) for m in parts}) != 1:
                 continue
-            group = _Fused(parts, rows)
+            group = Fused(parts, rows)
             shape = (parts[0].in_features, parts[0].weight.dtype, tuple(group.splits), group.bias is None)
             if shape not in checked:
                 checked[shape] = _same_bits(group, parts)
@@ -125,7 +125,7 @@ def fuse_siblings(model: torch.nn.Module, rows: int = 8) -> int:
     return fused
 
 
-def _same_bits(group: _Fused, parts: list[torch.nn.Linear]) -> bool:
+def _same_bits(group: Fused, parts: list[torch.nn.Linear]) -> bool:
     """Whether the fused matmul gives each projection's own bits, rows 1 to ``group.rows``, on random inputs."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -137,7 +137,7 @@ def _same_bits(group: _Fused, parts: list[torch.nn.Linear]) -> bool:
     return True
 
 
-def _fused_forward(module: torch.nn.Linear, group: _Fused, index: int):
+def _fused_forward(module: torch.nn.Linear, group: Fused, index: int):
     alone = module.forward  # the packed forward of this projection alone
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ def is_packed(model: torch.nn.Module) -> bool:
     return any(hasattr(m, _PACKED) for m in model.modules())
 
 
-def sibling_group(module: torch.nn.Linear) -> _Fused | None:
+def sibling_group(module: torch.nn.Linear) -> Fused | None:
     """The fused group ``module`` (the first of its :data:`SIBLINGS`) runs in for small inputs, or None: what a
     caller that runs the group itself (:mod:`snapkv_sessions.decode`) calls instead of each projection."""
     return getattr(module, "_snapkv_fused", None)
