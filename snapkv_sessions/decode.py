@@ -43,14 +43,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)  # (B, H, 1, D)
 
 
+def _apart(modules: Sequence[torch.nn.Linear]) -> Group:
+    """The projections that read one input, one by one."""
+    forwards = [m.forward for m in modules]
+    return lambda flat: [f(flat) for f in forwards]
+
+
 def _group(modules: Sequence[torch.nn.Linear]) -> Group:
     """The projections that read one input: as one packed matmul for a decode step's rows where they are fused
     (:func:`snapkv_sessions.packed.fuse_siblings`, checked to give each projection's own bits), else one by one."""
-    fused = packed.sibling_group(modules[0])
-    alone = [m.forward for m in modules]
+    fused, apart = packed.sibling_group(modules[0]), _apart(modules)
     if fused is None:
-        return lambda flat: [f(flat) for f in alone]
-    return lambda flat: fused.run(flat) if flat.shape[0] <= fused.rows else [f(flat) for f in alone]
+        return apart
+    return lambda flat: fused.run(flat) if flat.shape[0] <= fused.rows else apart(flat)
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class _Layer:
 
     attention: torch.nn.Module  # what the attention function is handed (its layer_idx, scaling)
     norm_in: Linear  # input_layernorm
-    qkv: Group  # (M, H) -> q (M, Hq*D), k (M, Hkv*D), v (M, Hkv*D)
+    qkv: Group  # (M, H) -> q (M, Hq*D), k (M, Hkv*D), v (M, Hkv*D), one by one
     joined: packed.Fused | None  # q/k/v as one packed matmul (their outputs side by side), if fused
     out: Linear  # o_proj
     norm_post: Linear  # post_attention_layernorm
@@ -82,7 +87,7 @@ class DecodeStep:
             _Layer(
                 attention=layer.self_attn,
                 norm_in=layer.input_layernorm.forward,
-                qkv=_group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                qkv=_apart([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
                 joined=packed.sibling_group(layer.self_attn.q_proj),
                 out=layer.self_attn.o_proj.forward,
                 norm_post=layer.post_attention_layernorm.forward,
@@ -92,6 +97,11 @@ class DecodeStep:
             )
             for layer in body.layers
         ]
+        self.modules = tuple(body.layers.modules())  # what a forward hook could be on, for hooked()
+
+    def hooked(self) -> bool:
+        """Whether a forward hook on one of the layers' modules would run in transformers' path and not here."""
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: object,
                  key_masks: object | None = None, recall: object | None = None) -> torch.Tensor:
@@ -129,19 +139,20 @@ _LOCK = threading.Lock()
 def for_model(model: torch.nn.Module) -> DecodeStep | None:
     """The model's :class:`DecodeStep` where it gives transformers' bits here, else None (checked once per model
     and packing; see the module docstring)."""
-    if os.environ.get(ENV, "") == "modules" or type(model).__name__ not in ARCHITECTURES:
-        return None
-    if _hooked(model):
+    if os.environ.get(ENV, "") == "modules" or type(model).__name__ not in ARCHITECTURES or _global_hooks():
         return None
     key = _signature(model)
     held = getattr(model, "_snapkv_decode", None)
     if held is not None and held[0] == key:
-        return held[1]
+        step = held[1]
+        return None if step is None or step.hooked() else step
     with _LOCK:
         try:
             step = DecodeStep(model)
         except AttributeError:  # a layer that is not built as this module expects
             step = None
+        if step is not None and step.hooked():  # decided again once the hooks are gone; the check would run them
+            return None
         if step is not None and not _same_bits(model, step):
             step = None
         model._snapkv_decode = (key, step)
@@ -157,13 +168,11 @@ def _signature(model: torch.nn.Module) -> tuple:
             packed.packing_of(first.self_attn.q_proj), packed.packing_of(first.mlp.gate_proj))
 
 
-def _hooked(model: torch.nn.Module) -> bool:
-    """Whether a forward hook would run in transformers' path and not in this one."""
+def _global_hooks() -> bool:
+    """Whether a forward hook registered for every module would run in transformers' path and not in this one."""
     from torch.nn.modules import module as nn_module
 
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.model.layers.modules())
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 @torch.inference_mode()

@@ -34,12 +34,7 @@ from .rotary import Rotary
 from .state import KVState
 from .support import check_supported, fingerprint
 from .tier import TieredCache
-from .transcript import TurnPlan, observation_window, to_ranges
-
-MASKED, SPLIT = "masked", "split"
-# how a prefill chunk attends onto a cache: one SDPA with the bottom-right causal mask, or in two parts merged by
-# their log-sum-exp (attention.split_prefill); the same attention with other rounding, so each turn records it
-PREFILL_ATTENTION = (MASKED, SPLIT)
+from .transcript import MASKED, PREFILL_ATTENTION, SPLIT, TurnPlan, observation_window, to_ranges
 
 
 @dataclass

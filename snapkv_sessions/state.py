@@ -44,7 +44,7 @@ class KVState:
     pending_pinned: list[bool] = field(default_factory=list)
     reports: list[CompressionReport] = field(default_factory=list)
     last_stop_reason: str | None = None
-    # how the current turn's prefill attended onto the cache (runner.PREFILL_ATTENTION); a step taken again over
+    # how the current turn's prefill attended onto the cache (transcript.PREFILL_ATTENTION); a step taken again over
     # the whole history during its decode attends the same way. None: no turn ran yet (the runner's own)
     attention: str | None = None
 

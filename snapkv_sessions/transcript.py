@@ -90,6 +90,18 @@ class RenderDelta:
     offsets: tuple[Range, ...]
 
 
+MASKED, SPLIT = "masked", "split"
+# how a prefill chunk attends onto a cache: one SDPA with the bottom-right causal mask, or in two parts merged by
+# their log-sum-exp (attention.split_prefill); the same attention with other rounding, so each turn records it
+PREFILL_ATTENTION = (MASKED, SPLIT)
+
+
+def recorded_attention(segments: dict | None) -> object:
+    """How a recorded turn's prefill attended (``segments.attention``); a record without it attended masked, the
+    only way before it was recorded. Returned as stored: :meth:`TurnPlan.from_record` validates it."""
+    return (segments or {}).get("attention", MASKED)
+
+
 @dataclass(frozen=True)
 class TurnPlan:
     """One turn's prefill and compression, as data.
@@ -154,9 +166,9 @@ class TurnPlan:
         if chunks is not None and (not isinstance(chunks, list) or not chunks
                                    or not all(type(c) is int and c > 0 for c in chunks)):
             raise PlanError(f"segments.chunks={str(chunks)[:80]!r}: must be a list of positive token counts")
-        attention = record.get("attention", "masked")  # recorded since the split attention; before: masked
-        if attention not in ("masked", "split"):
-            raise PlanError(f"segments.attention={str(attention)[:80]!r}: must be 'masked' or 'split'")
+        attention = recorded_attention(record)
+        if attention not in PREFILL_ATTENTION:
+            raise PlanError(f"segments.attention={str(attention)[:80]!r}: must be one of {list(PREFILL_ATTENTION)}")
         return cls(tokens=tuple(int(t) for t in tokens), first_position=first, owners=owners,
                    pinned=tuple((int(a), int(b)) for a, b in record.get("pinned") or []),
                    protect=tuple((int(a), int(b)) for a, b in record.get("protect") or []),

@@ -14,7 +14,7 @@ from .generation import cut_at_stop
 from .report import CompressionReport
 from .runner import TurnResult
 from .store.blobs import pack_positions
-from .transcript import TurnPlan
+from .transcript import MASKED, TurnPlan
 
 
 @dataclass
@@ -70,7 +70,7 @@ class TurnOutcome:
             segments["protect_applied"] = result.protect_applied
         if result.chunks is not None:  # a replay feeds the same chunks (they change the last bits)
             segments["chunks"] = result.chunks
-        if result.attention != "masked":  # and attends the same way (a record without it: masked)
+        if result.attention != MASKED:  # and attends the same way (a record without it: masked)
             segments["attention"] = result.attention
         return {
             "prefill_tokens": list(plan.tokens), "decode_tokens": reply_tokens[0], "pending_tokens": reply_tokens[1],

@@ -12,6 +12,7 @@ from ..policy import MemoryPolicy, Policy
 from ..runner import Inline
 from ..store import SessionStore
 from ..store.blobs import unpack_positions
+from ..transcript import recorded_attention
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _reexecute(store: SessionStore, session_id: str, policy: Policy, model, done
         if rec["turn"] in lost and session.state.cold is not None:
             session.state.cold.drop(lost[rec["turn"]])
         chunks.sizes = list((rec["segments"] or {}).get("chunks") or [])  # none recorded: the runner's own
-        chunks.runner.prefill_attention = (rec["segments"] or {}).get("attention", "masked")  # as the turn attended
+        chunks.runner.prefill_attention = recorded_attention(rec["segments"])  # as the turn attended
         session.chat({"role": msg["role"], "content": msg["content"], "name": msg["name"]}, **gen)
         yield rec, scratch.turns(session.id)[-1]
 
@@ -119,7 +120,7 @@ def _compare(rec: dict, new: dict) -> Mismatch | None:
     for name in ("prefill_tokens", "drift_decision"):
         if rec[name] != new[name]:
             return Mismatch(turn, name, _short(rec[name]), _short(new[name]))
-    attended = [(r["segments"] or {}).get("attention", "masked") for r in (rec, new)]
+    attended = [recorded_attention(r["segments"]) for r in (rec, new)]
     if attended[0] != attended[1]:
         return Mismatch(turn, "prefill_attention", attended[0], attended[1])
     recorded_chunks = (rec["segments"] or {}).get("chunks")
