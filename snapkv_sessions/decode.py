@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import packed
+from . import packed, weights16
 from .attention import snapkv_attention_forward
 
 # the architectures whose decoder layers are pre-norm attention + gated MLP with rotate-half RoPE, as built here
@@ -49,10 +49,17 @@ def _apart(modules: Sequence[torch.nn.Linear]) -> Group:
     return lambda flat: [f(flat) for f in forwards]
 
 
+def _joined(first: torch.nn.Linear) -> packed.Fused | weights16.Joined | None:
+    """The one matmul that runs ``first`` and its siblings, where they have one: packed and fused
+    (:func:`snapkv_sessions.packed.fuse_siblings`, checked to give each projection's own bits) or 16-bit weights
+    laid out together (:class:`snapkv_sessions.weights16.Joined`, the same bits by construction)."""
+    return packed.sibling_group(first) or weights16.sibling_group(first)
+
+
 def _group(modules: Sequence[torch.nn.Linear]) -> Group:
-    """The projections that read one input: as one packed matmul for a decode step's rows where they are fused
-    (:func:`snapkv_sessions.packed.fuse_siblings`, checked to give each projection's own bits), else one by one."""
-    fused, apart = packed.sibling_group(modules[0]), _apart(modules)
+    """The projections that read one input: as one matmul for a decode step's rows where they have one
+    (:func:`_joined`), else one by one."""
+    fused, apart = _joined(modules[0]), _apart(modules)
     if fused is None:
         return apart
     return lambda flat: fused.run(flat) if flat.shape[0] <= fused.rows else apart(flat)
@@ -65,7 +72,7 @@ class _Layer:
     attention: torch.nn.Module  # what the attention function is handed (its layer_idx, scaling)
     norm_in: Linear  # input_layernorm
     qkv: Group  # (M, H) -> q (M, Hq*D), k (M, Hkv*D), v (M, Hkv*D), one by one
-    joined: packed.Fused | None  # q/k/v as one packed matmul (their outputs side by side), if fused
+    joined: packed.Fused | weights16.Joined | None  # q/k/v as one matmul (their outputs side by side), if fused
     out: Linear  # o_proj
     norm_post: Linear  # post_attention_layernorm
     gate_up: Group  # (M, H) -> gate, up (M, I) each
@@ -88,7 +95,7 @@ class DecodeStep:
                 attention=layer.self_attn,
                 norm_in=layer.input_layernorm.forward,
                 qkv=_apart([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
-                joined=packed.sibling_group(layer.self_attn.q_proj),
+                joined=_joined(layer.self_attn.q_proj),
                 out=layer.self_attn.o_proj.forward,
                 norm_post=layer.post_attention_layernorm.forward,
                 gate_up=_group([layer.mlp.gate_proj, layer.mlp.up_proj]),

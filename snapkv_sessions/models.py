@@ -245,7 +245,9 @@ def _save_converted(model, tok, target: Path, source: dict) -> None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-DTYPES = ("float32", "bfloat16", "float16")  # the weights' dtypes a session may run in
+# the dtypes a session may run in: torch's, and fp32 arithmetic over 16-bit linear weights (weights16.FORMATS)
+DTYPES = ("float32", "bfloat16", "float16", "fp16-weights", "bf16-weights")
+STORED_16 = ("fp16-weights", "bf16-weights")  # run in fp32, their linears' weights stored in 16 bits
 DTYPE_CHOICES = ("auto", *DTYPES)  # what --dtype and ``dtype=`` accept
 
 
@@ -260,13 +262,18 @@ def bf16_fast() -> bool:
 
 
 def resolve_dtype(dtype: str | None) -> str:
-    """``None`` (the library's default) is float32; ``"auto"`` is bfloat16 where :func:`bf16_fast`, else float32."""
+    """``None`` (the library's default) is float32; ``"auto"`` is bfloat16 where :func:`bf16_fast`, else
+    fp16-weights where its kernel runs (:mod:`snapkv_sessions.weights16`: an AVX2 CPU), else float32."""
     if dtype is None:
         return "float32"
     if dtype not in DTYPE_CHOICES:
         raise ConfigError("dtype", dtype, f"must be one of {list(DTYPE_CHOICES)}")
     if dtype == "auto":
-        return "bfloat16" if bf16_fast() else "float32"
+        if bf16_fast():
+            return "bfloat16"
+        from . import weights16
+
+        return "fp16-weights" if weights16.available() else "float32"
     return dtype
 
 
@@ -304,22 +311,25 @@ class ModelSpec:
 
     @property
     def torch_dtype(self):
+        """The dtype of the activations and the KV cache (fp32 for 16-bit stored weights)."""
         import torch
 
-        return getattr(torch, self.dtype)
+        return torch.float32 if self.dtype in STORED_16 else getattr(torch, self.dtype)
 
 
 def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None):
     """Resolve and load ``(model, tokenizer)``. fp32 unless ``dtype`` (a torch dtype or one of
     :data:`DTYPE_CHOICES`) says otherwise."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    stored_16 = None
     if isinstance(dtype, str) or dtype is None:
-        dtype = getattr(torch, resolve_dtype(dtype))
+        resolved = resolve_dtype(dtype)
+        stored_16 = resolved if resolved in STORED_16 else None
+        dtype = ModelSpec("model", resolved).torch_dtype
     path = resolve_model(name)
     try:  # local files only: a name that is not here fails at once instead of retrying a hub it cannot reach
-        with progress.task(f"loading {name} ({str(dtype).removeprefix('torch.')})"):
+        with progress.task(f"loading {name} ({stored_16 or str(dtype).removeprefix('torch.')})"):
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except OSError as exc:
@@ -329,6 +339,10 @@ def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None
         ) from None
     if device is not None:
         model = model.to(device)
+    if stored_16 is not None:
+        from . import weights16
+
+        weights16.convert(model, stored_16)
     return model.eval(), tok
 
 
@@ -337,7 +351,9 @@ _MODELS: dict[tuple[str, str], tuple] = {}  # (name, dtype) -> (model, tokenizer
 
 def model_id_of(model, name: str | None = None) -> str:
     """The stored id of a loaded model: its name (or ``_name_or_path``) with its weights' dtype."""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    from . import weights16
+
+    dtype = weights16.format_of(model) or str(next(model.parameters()).dtype).removeprefix("torch.")
     base = name if name is not None else str(getattr(model.config, "_name_or_path", "model"))
     return ModelSpec(ModelSpec.parse(base).name, dtype if dtype in DTYPES else "float32").model_id
 

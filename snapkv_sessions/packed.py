@@ -50,6 +50,11 @@ def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
     packed copy, so changing the weight afterwards needs :func:`unpack_linears` and a new pack."""
     if not available():
         raise ConfigError("packed_weights", True, "this torch build has no oneDNN (mkldnn) linear")
+    from . import weights16
+
+    if weights16.format_of(model) is not None:
+        raise ConfigError("packed_weights", weights16.format_of(model),
+                          "a model with 16-bit stored weights runs their own kernel; it is not packed")
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or hasattr(module, _PACKED):
@@ -59,7 +64,13 @@ def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
             raise ConfigError("packed_weights", f"{name}: {weight.dtype} on {weight.device}",
                               "packs fp32 or bf16 weights on the CPU only")
         with torch.no_grad():
-            setattr(module, _PACKED, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows))
+            try:
+                reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+            except RuntimeError as exc:  # oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+                unpack_linears(model)
+                raise ConfigError("packed_weights", f"{name}: {weight.dtype}",
+                                  f"oneDNN cannot pack it on this CPU ({str(exc)[:160]})") from None
+            setattr(module, _PACKED, reordered)
         module.forward = _packed_forward(module)
         count += 1
     if count:

@@ -26,10 +26,15 @@ def test_a_model_id_names_its_dtype_unless_it_is_float32():
 
 
 def test_auto_is_bf16_only_where_it_runs_natively(monkeypatch):
+    from snapkv_sessions import weights16
+
     assert resolve_dtype(None) == "float32"  # the library's default: what the equality tests use
     monkeypatch.setattr(models, "bf16_fast", lambda: True)
     assert resolve_dtype("auto") == "bfloat16" and ModelSpec.parse("m", "auto").model_id == "m@bfloat16"
     monkeypatch.setattr(models, "bf16_fast", lambda: False)
+    monkeypatch.setattr(weights16, "available", lambda: True)  # elsewhere: fp32 math over 16-bit weights
+    assert resolve_dtype("auto") == "fp16-weights" and ModelSpec.parse("m", "auto").model_id == "m@fp16-weights"
+    monkeypatch.setattr(weights16, "available", lambda: False)  # and where that kernel cannot run, fp32
     assert resolve_dtype("auto") == "float32" and ModelSpec.parse("m", "auto").model_id == "m"
 
 

@@ -1,5 +1,6 @@
-"""``bench dtype``: bf16 against fp32 weights on the same prompts, side by side in one run: how often the greedy
-replies are identical, where they first differ, and the prefill and decode time of each."""
+"""``bench dtype``: a dtype (bf16 by default, or fp16/bf16-stored weights) against fp32 weights on the same prompts,
+side by side in one run: how often the greedy replies are identical, where they first differ, and the prefill and
+decode time of each."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ class DtypeAgreement:
     model: str
     prompts: int
     max_new_tokens: int
-    identical: int  # prompts whose bf16 reply equals the fp32 one token for token
+    identical: int  # prompts whose reply in ``against`` equals the fp32 one token for token
     first_divergence: list[int | None] = field(default_factory=list)  # per prompt: first differing index, or None
     ms: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> prefill_ms, decode_ms_per_token
+    against: str = "bfloat16"  # the dtype compared with float32
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -53,18 +55,20 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def agreement(model: str, prompts=PROMPTS, max_new_tokens: int = 24) -> DtypeAgreement:
-    """Greedy replies of ``model`` in float32 and in bfloat16 on each prompt (one user message, the chat template)."""
+def agreement(model: str, prompts=PROMPTS, max_new_tokens: int = 24, against: str = "bfloat16") -> DtypeAgreement:
+    """Greedy replies of ``model`` in float32 and in ``against`` on each prompt (one user message, the chat
+    template)."""
     fp32, fp32_ms = _replies(model, "float32", prompts, max_new_tokens)
-    bf16, bf16_ms = _replies(model, "bfloat16", prompts, max_new_tokens)
-    firsts = [_first_divergence(a, b) for a, b in zip(fp32, bf16, strict=True)]
+    other, other_ms = _replies(model, against, prompts, max_new_tokens)
+    firsts = [_first_divergence(a, b) for a, b in zip(fp32, other, strict=True)]
     return DtypeAgreement(model, len(prompts), max_new_tokens, sum(d is None for d in firsts), firsts,
-                          {"float32": fp32_ms, "bfloat16": bf16_ms})
+                          {"float32": fp32_ms, against: other_ms}, against)
 
 
 def table(result: DtypeAgreement) -> str:
-    lines = [f"{result.model}: bf16 replies identical to fp32 on {result.identical} of {result.prompts} prompts "
-             f"({result.max_new_tokens} greedy tokens); first divergence per prompt: {result.first_divergence}",
-             f"{'dtype':<10} {'prefill ms':>11} {'decode ms/token':>16}"]
-    lines += [f"{d:<10} {v['prefill_ms']:>11.1f} {v['decode_ms_per_token']:>16.1f}" for d, v in result.ms.items()]
+    lines = [f"{result.model}: {result.against} replies identical to fp32 on {result.identical} of "
+             f"{result.prompts} prompts ({result.max_new_tokens} greedy tokens); first divergence per prompt: "
+             f"{result.first_divergence}",
+             f"{'dtype':<13} {'prefill ms':>11} {'decode ms/token':>16}"]
+    lines += [f"{d:<13} {v['prefill_ms']:>11.1f} {v['decode_ms_per_token']:>16.1f}" for d, v in result.ms.items()]
     return "\n".join(lines)

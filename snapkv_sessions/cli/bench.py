@@ -8,6 +8,7 @@ import os
 import click
 
 from .. import progress
+from ..models import DTYPE_CHOICES
 from . import clean_errors, main, need_matplotlib, quiet_loaders
 
 
@@ -603,18 +604,22 @@ def bench_ruler(model, tasks, lengths, n_items, budgets, settings, methods, wind
               help="Model id, folder, GGUF or bundle.")
 @click.option("--prompts", "n_prompts", default=8, show_default=True, help="Prompts (of the built-in set).")
 @click.option("--max-new-tokens", default=24, show_default=True, help="Greedy tokens per reply.")
+@click.option("--against", default="bfloat16", show_default=True,
+              type=click.Choice([d for d in DTYPE_CHOICES if d not in ("auto", "float32")]),
+              help="The dtype compared with float32 (fp16-weights, bf16-weights: 16-bit stored weights, fp32 math).")
 @click.option("--out", default=None, help="Also write the JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print only the JSON.")
 @clean_errors
-def bench_dtype(model, n_prompts, max_new_tokens, out, as_json) -> None:
-    """bf16 against fp32 weights, side by side: identical greedy replies, first divergence, prefill and decode time."""
+def bench_dtype(model, n_prompts, max_new_tokens, against, out, as_json) -> None:
+    """A dtype against fp32 weights, side by side: identical greedy replies, first divergence, prefill and decode
+    time."""
     from ..bench import dtype
 
     if not 1 <= n_prompts <= len(dtype.PROMPTS):
         raise click.ClickException(f"--prompts={n_prompts}: must be 1 to {len(dtype.PROMPTS)}")
     quiet_loaders()
-    with progress.task(f"bench dtype: bf16 against fp32 on {n_prompts} prompt(s)"):
-        result = dtype.agreement(model, dtype.PROMPTS[:n_prompts], max_new_tokens)
+    with progress.task(f"bench dtype: {against} against fp32 on {n_prompts} prompt(s)"):
+        result = dtype.agreement(model, dtype.PROMPTS[:n_prompts], max_new_tokens, against)
     _emit(result.to_json(), out, as_json, lambda _: dtype.table(result))
 
 

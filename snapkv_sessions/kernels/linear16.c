@@ -1,0 +1,106 @@
+/* y = x W^T (+ b) with W stored in 16 bits (bf16 or fp16) and everything else in fp32: the linear layers of a
+ * decode step on an x86 CPU whose matmul units do not take bf16 (AVX2 + FMA + F16C).
+ *
+ * A decode step of a few rows is bound by reading the weights, so halving their bytes halves the step, and the
+ * widening to fp32 costs one or two instructions per eight weights.
+ *
+ * The arithmetic of each output y[m][n] is fixed, whatever M, the row grouping, the number of threads or the
+ * output chunking: eight fp32 lanes accumulate x[m][k] * W[n][k] by fused multiply-add for k = 0, 8, 16, ... in
+ * order (lane j holds k = j mod 8), the lanes are summed as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), the
+ * remaining k < K (K not a multiple of 8) are added one by one in order, then the bias. So a row computed in a
+ * batch equals the same row computed alone, bit for bit, and a replay on any thread count gives the same bits.
+ * Changing that order changes every stored session's bits: do not.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define BF16 0
+#define FP16 1
+
+static inline __m256 widen(const uint16_t *p, const int format) {
+  __m128i h = _mm_loadu_si128((const __m128i *)p);
+  if (format == FP16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float widen1(uint16_t v, const int format) {
+  if (format == FP16) return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v)));
+  union { uint32_t u; float f; } c;
+  c.u = ((uint32_t)v) << 16;
+  return c.f;
+}
+
+static inline float lanes_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l0+l4, l1+l5, l2+l6, l3+l7 */
+  __m128 h = _mm_movehl_ps(s, s);                                                  /* l2+l6, l3+l7, ., . */
+  s = _mm_add_ps(s, h);                        /* (l0+l4)+(l2+l6), (l1+l5)+(l3+l7), ., . */
+  h = _mm_shuffle_ps(s, s, 1);
+  return _mm_cvtss_f32(_mm_add_ss(s, h));
+}
+
+/* MB rows from m0 times NB outputs from n0; MB * NB accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block(const float *x, const uint16_t *w, const float *bias,
+                                                        float *y, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                                                        const int MB, const int NB, const int format) {
+  __m256 acc[4][8];
+  for (int a = 0; a < MB; a++)
+    for (int b = 0; b < NB; b++) acc[a][b] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~(int64_t)7;
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[8];
+    for (int b = 0; b < NB; b++) wv[b] = widen(w + (n0 + b) * K + k, format);
+    for (int a = 0; a < MB; a++) {
+      __m256 xv = _mm256_loadu_ps(x + (m0 + a) * K + k);
+      for (int b = 0; b < NB; b++) acc[a][b] = _mm256_fmadd_ps(xv, wv[b], acc[a][b]);
+    }
+  }
+  for (int a = 0; a < MB; a++)
+    for (int b = 0; b < NB; b++) {
+      float s = lanes_sum(acc[a][b]);
+      for (int64_t k = K8; k < K; k++) s = fmaf(x[(m0 + a) * K + k], widen1(w[(n0 + b) * K + k], format), s);
+      if (bias) s += bias[n0 + b];
+      y[(m0 + a) * N + n0 + b] = s;
+    }
+}
+
+/* Rows in groups of up to four; each group walks the chunk's outputs NB at a time, then one at a time. */
+#define WALK(MB, NB)                                                                     \
+  {                                                                                      \
+    int64_t n = n0;                                                                      \
+    for (; n + (NB) <= n1; n += (NB)) block(x, w, bias, y, K, N, m, n, MB, NB, format);  \
+    for (; n < n1; n++) block(x, w, bias, y, K, N, m, n, MB, 1, format);                 \
+  }
+
+static void chunk(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+                  int64_t n0, int64_t n1, const int format) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) WALK(4, 2)
+  switch (M - m) {
+    case 3: WALK(3, 2) break;
+    case 2: WALK(2, 4) break;
+    case 1: WALK(1, 8) break;
+    default: break;
+  }
+}
+
+/* x (M, K) fp32, w (N, K) 16-bit, bias (N) fp32 or NULL, y (M, N) fp32; all contiguous. Returns 0, or -1 for a
+ * format it does not know. */
+int linear16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
+             int format, int threads) {
+  if (format != BF16 && format != FP16) return -1;
+  /* outputs per chunk: about 128 KiB of weights, so a chunk read by the first row group stays in L2 for the
+   * next ones (a multiple of 8, 8 to 64) */
+  int64_t per = (128 * 1024) / (2 * (K > 0 ? K : 1));
+  per = per < 8 ? 8 : (per > 64 ? 64 : per & ~(int64_t)7);
+  const int64_t chunks = (N + per - 1) / per;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < chunks; c++) {
+    const int64_t n0 = c * per, n1 = n0 + per < N ? n0 + per : N;
+    if (format == FP16)
+      chunk(x, w, bias, y, M, K, N, n0, n1, FP16);
+    else
+      chunk(x, w, bias, y, M, K, N, n0, n1, BF16);
+  }
+  return 0;
+}
