@@ -38,7 +38,8 @@ from .errors import ConfigError
 FORMATS = {"fp16-weights": torch.float16, "bf16-weights": torch.bfloat16}  # dtype name -> how a weight is stored
 _CODES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's format argument
 SMALL_ROWS = 32  # inputs of at most this many rows run the kernel (a batched decode step of up to 32 slots)
-WIDEN_BLOCK = 8192  # outputs widened to fp32 at a time for a larger input: at most 8192 x in_features x 4 bytes
+WIDEN_BYTES = 4 << 20  # a larger input widens about this many bytes of fp32 weight at a time (stays in cache)
+WIDEN_MIN = 256  # outputs widened at a time, at least
 FP16_MAX = 65504.0
 _ATTR = "_snapkv_weights16"  # on the model: its format's dtype name
 SOURCE = Path(__file__).with_name("kernels") / "linear16.c"
@@ -81,34 +82,68 @@ def _kernel():
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     fn = lib.linear16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
     fn.restype = ctypes.c_int
     return fn
 
 
+PLAIN, BLOCKED = 0, 1  # the kernel's layouts: (N, K) rows, or blocks of 8 rows interleaved per 8 columns
+
+
+def blocked(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N/8, K/8, 8, 8): within each block of eight rows, their weights k..k+7 side by side, so a one-row
+    step reads the matrix as one stream (about 1.3x the plain layout's bandwidth here); K and N multiples of 8."""
+    n, k = weight.shape
+    return weight.reshape(n // 8, 8, k // 8, 8).permute(0, 2, 1, 3).contiguous()  # (N/8, K/8, 8, 8)
+
+
+def plain(weight: torch.Tensor) -> torch.Tensor:
+    """A stored weight as (N, K): itself, or :func:`blocked`'s inverse (a copy)."""
+    if weight.dim() == 2:
+        return weight
+    nb, kb = weight.shape[:2]
+    return weight.permute(0, 2, 1, 3).reshape(nb * 8, kb * 8)  # (N, K)
+
+
+def _shape(weight: torch.Tensor) -> tuple[int, int, int]:
+    """(N, K, layout) of a stored weight."""
+    if weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1]), PLAIN
+    return int(weight.shape[0]) * 8, int(weight.shape[1]) * 8, BLOCKED
+
+
 def small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel: x (M, K) fp32, weight (N, K) fp16/bf16, bias (N,) fp32 or None -> (M, N) fp32."""
+    """The kernel: x (M, K) fp32, weight (N, K) or :func:`blocked` fp16/bf16, bias (N,) fp32 or None -> (M, N)
+    fp32. The layout changes where the kernel reads, never its arithmetic: both give the same bits."""
     fn = _kernel()
     if fn is None:
         raise ConfigError("dtype", str(weight.dtype), "the 16-bit weights kernel does not run here (needs an "
                                                        "AVX2 CPU and a C compiler)")
+    n, k, layout = _shape(weight)
     x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)  # (M, N)
-    fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-       x.shape[0], x.shape[1], weight.shape[0], _CODES[weight.dtype], torch.get_num_threads())
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)  # (M, N)
+    if x.shape[1] != k:
+        raise ValueError(f"input has {x.shape[1]} features, the weight {k}")
+    code = fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+              x.shape[0], k, n, _CODES[weight.dtype], layout, torch.get_num_threads())
+    if code != 0:
+        raise ValueError(f"linear16 refused a weight of {tuple(weight.shape)} {weight.dtype}")
     return out
 
 
 def large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A prefill's rows: torch's fp32 linear over the weight widened :data:`WIDEN_BLOCK` outputs at a time.
+    """A prefill's rows: torch's fp32 linear over the weight widened a block of outputs at a time (about
+    :data:`WIDEN_BYTES`, so the widened block is still in cache when the matmul reads it).
     x (M, K) fp32 -> (M, N) fp32."""
-    n = weight.shape[0]
-    if n <= WIDEN_BLOCK:
-        return F.linear(x, weight.float(), bias)  # (M, N)
+    n, k, _ = _shape(weight)
+    block = max(WIDEN_MIN, WIDEN_BYTES // (4 * k)) // 8 * 8
+    if n <= block:
+        return F.linear(x, plain(weight).float(), bias)  # (M, N)
     out = torch.empty(x.shape[0], n, dtype=torch.float32)  # (M, N)
-    for lo in range(0, n, WIDEN_BLOCK):
-        hi = min(lo + WIDEN_BLOCK, n)
-        out[:, lo:hi] = F.linear(x, weight[lo:hi].float(), None if bias is None else bias[lo:hi])  # (M, hi - lo)
+    for lo in range(0, n, block):
+        hi = min(lo + block, n)
+        rows = weight[lo:hi] if weight.dim() == 2 else plain(weight[lo // 8:-(-hi // 8)])  # (hi - lo, K)
+        out[:, lo:hi] = F.linear(x, rows.float(), None if bias is None else bias[lo:hi])  # (M, hi - lo)
     return out
 
 
@@ -149,7 +184,10 @@ def convert(model: torch.nn.Module, dtype_name: str) -> int:
     with torch.no_grad():
         for _, m in linears:
             # a new Parameter, not the old one converted in place: a tied embedding keeps its fp32 weight
-            m.weight = torch.nn.Parameter(m.weight.detach().to(fmt).contiguous(), requires_grad=False)
+            stored = m.weight.detach().to(fmt).contiguous()  # (N, K)
+            if stored.shape[0] % 8 == 0 and stored.shape[1] % 8 == 0:
+                stored = blocked(stored)  # (N/8, K/8, 8, 8)
+            m.weight = torch.nn.Parameter(stored, requires_grad=False)
             if m.bias is not None:
                 m.bias = torch.nn.Parameter(m.bias.detach().float().contiguous(), requires_grad=False)
             m.forward = _forward(m)
@@ -184,13 +222,14 @@ def _join_siblings(model: torch.nn.Module) -> None:
             parts = [getattr(module, n, None) for n in names]
             if not all(isinstance(m, torch.nn.Linear) for m in parts):
                 continue
-            if len({(m.in_features, m.weight.dtype, m.bias is None) for m in parts}) != 1:
+            if len({(m.in_features, m.weight.dtype, m.weight.dim(), m.bias is None) for m in parts}) != 1:
                 continue
-            weight = torch.cat([m.weight for m in parts])  # (sum of outs, in)
+            weight = torch.cat([m.weight for m in parts])  # (sum of outs, in) or blocked: (sum of outs / 8, ...)
             bias = None if parts[0].bias is None else torch.cat([m.bias for m in parts])  # (sum of outs,)
             splits, lo = [int(m.out_features) for m in parts], 0
+            per = 1 if weight.dim() == 2 else 8  # outputs per leading index
             for m, n in zip(parts, splits, strict=True):
-                m.weight = torch.nn.Parameter(weight[lo:lo + n], requires_grad=False)  # a view: no second copy
+                m.weight = torch.nn.Parameter(weight[lo // per:(lo + n) // per], requires_grad=False)  # a view
                 if bias is not None:
                     m.bias = torch.nn.Parameter(bias[lo:lo + n], requires_grad=False)
                 lo += n

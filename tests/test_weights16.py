@@ -32,10 +32,10 @@ def _operands(m: int, k: int, n: int, fmt: torch.dtype, seed: int = 0, bias: boo
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 40), (3, 37, 13), (4, 8, 9), (5, 200, 70), (8, 896, 136),
-                                           (32, 24, 17), (33, 40, 11), (70, 64, 9000)])
+                                           (32, 24, 17), (33, 40, 11), (70, 2048, 1000)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_linear_equals_a_float64_reference(name, m, k, n, bias):
-    """Both paths (the kernel up to SMALL_ROWS rows, widened fp32 linear above, blocks past WIDEN_BLOCK outputs),
+    """Both paths (the kernel up to SMALL_ROWS rows, widened fp32 linear above, in blocks past WIDEN_BYTES),
     every row-group and output-block remainder, K not a multiple of 8."""
     fmt = weights16.FORMATS[name]
     x, w, b = _operands(m, k, n, fmt, seed=m * 1000 + k + n, bias=bias)
@@ -50,9 +50,16 @@ def test_the_linear_equals_a_float64_reference(name, m, k, n, bias):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_a_row_gets_the_same_bits_in_any_batch_and_on_any_thread_count(name):
-    x, w, b = _operands(weights16.SMALL_ROWS, 136, 203, weights16.FORMATS[name])
+@pytest.mark.parametrize("n", [203, 208])
+def test_a_row_gets_the_same_bits_in_any_batch_layout_and_thread_count(name, n):
+    x, w, b = _operands(weights16.SMALL_ROWS, 136, n, weights16.FORMATS[name])
     every = weights16.small(x, w, b)  # (32, N)
+    if n % 8 == 0:  # the blocked layout: another place to read from, the same arithmetic
+        stored = weights16.blocked(w)  # (N/8, K/8, 8, 8)
+        assert torch.equal(weights16.plain(stored), w)
+        assert torch.equal(weights16.small(x, stored, b), every)
+        assert torch.equal(weights16.large(x, stored, b), weights16.large(x, w, b))
+        torch.testing.assert_close(weights16.large(x, stored, b), every, rtol=1e-5, atol=1e-4)
     for rows in (1, 2, 3, 5, 8, 17):
         for start in (0, weights16.SMALL_ROWS - rows):
             part = weights16.small(x[start:start + rows], w, b)  # (rows, N)
@@ -83,6 +90,7 @@ def test_a_converted_model_equals_fp32_over_the_rounded_weights(kind, name):
     model = build_tiny(kind)
     assert weights16.convert(model, name) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert weights16.format_of(model) == name and model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.lm_head.weight.shape == (96 // 8, 64 // 8, 8, 8)  # stored blocked
     assert model_id_of(model, "tiny") == f"tiny@{name}"
     ids = torch.randint(3, 90, (2, 45), generator=torch.Generator().manual_seed(1))  # (2, 45): the large path
     with torch.inference_mode():

@@ -39,17 +39,30 @@ static inline float lanes_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, h));
 }
 
+/* Where output n's eight weights k..k+7 lie. PLAIN: W[n][k] (row-major (N, K)). BLOCKED: rows in blocks of
+ * eight, and within a block the eight rows' weights k..k+7 side by side (128 bytes per k-step), so one thread
+ * reads its part of the matrix front to back as one stream (needs K and N multiples of 8). The layout changes
+ * where the weights are read from, never the order of the arithmetic. */
+#define PLAIN 0
+#define BLOCKED 1
+
+static inline const uint16_t *at(const uint16_t *w, int64_t K, int64_t n, int64_t k, const int layout) {
+  if (layout == BLOCKED) return w + (n >> 3) * 8 * K + k * 8 + (n & 7) * 8;
+  return w + n * K + k;
+}
+
 /* MB rows from m0 times NB outputs from n0; MB * NB accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block(const float *x, const uint16_t *w, const float *bias,
                                                         float *y, int64_t K, int64_t N, int64_t m0, int64_t n0,
-                                                        const int MB, const int NB, const int format) {
+                                                        const int MB, const int NB, const int format,
+                                                        const int layout) {
   __m256 acc[4][8];
   for (int a = 0; a < MB; a++)
     for (int b = 0; b < NB; b++) acc[a][b] = _mm256_setzero_ps();
   const int64_t K8 = K & ~(int64_t)7;
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[8];
-    for (int b = 0; b < NB; b++) wv[b] = widen(w + (n0 + b) * K + k, format);
+    for (int b = 0; b < NB; b++) wv[b] = widen(at(w, K, n0 + b, k, layout), format);
     for (int a = 0; a < MB; a++) {
       __m256 xv = _mm256_loadu_ps(x + (m0 + a) * K + k);
       for (int b = 0; b < NB; b++) acc[a][b] = _mm256_fmadd_ps(xv, wv[b], acc[a][b]);
@@ -65,15 +78,42 @@ static inline __attribute__((always_inline)) void block(const float *x, const ui
 }
 
 /* Rows in groups of up to four; each group walks the chunk's outputs NB at a time, then one at a time. */
-#define WALK(MB, NB)                                                                     \
-  {                                                                                      \
-    int64_t n = n0;                                                                      \
-    for (; n + (NB) <= n1; n += (NB)) block(x, w, bias, y, K, N, m, n, MB, NB, format);  \
-    for (; n < n1; n++) block(x, w, bias, y, K, N, m, n, MB, 1, format);                 \
+#define WALK(MB, NB)                                                                                \
+  {                                                                                                 \
+    int64_t n = n0;                                                                                 \
+    for (; n + (NB) <= n1; n += (NB)) block(x, w, bias, y, K, N, m, n, MB, NB, format, layout);     \
+    for (; n < n1; n++) block(x, w, bias, y, K, N, m, n, MB, 1, format, layout);                    \
   }
 
-static void chunk(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
-                  int64_t n0, int64_t n1, const int format) {
+/* One row against whole blocks of eight outputs, the weights read as one stream: block(x, ..., 1, 8, ...)'s
+ * arithmetic, with the addresses stepped instead of computed (one stream per thread is what the M=1 step is
+ * bound by). */
+static inline __attribute__((always_inline)) void stream(const float *x, const uint16_t *w, const float *bias,
+                                                         float *y, int64_t K, int64_t n0, int64_t n1,
+                                                         const int format) {
+  for (int64_t n = n0; n < n1; n += 8) {
+    const uint16_t *p = w + n * K;
+    __m256 acc[8];
+    for (int b = 0; b < 8; b++) acc[b] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8, p += 64) {
+      __m256 xv = _mm256_loadu_ps(x + k);
+      for (int b = 0; b < 8; b++) acc[b] = _mm256_fmadd_ps(xv, widen(p + b * 8, format), acc[b]);
+    }
+    for (int b = 0; b < 8; b++) {
+      float s = lanes_sum(acc[b]);
+      if (bias) s += bias[n + b];
+      y[n + b] = s;
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void chunk(const float *x, const uint16_t *w, const float *bias,
+                                                        float *y, int64_t M, int64_t K, int64_t N, int64_t n0,
+                                                        int64_t n1, const int format, const int layout) {
+  if (layout == BLOCKED && M == 1) {
+    stream(x, w, bias, y, K, n0, n1, format);
+    return;
+  }
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) WALK(4, 2)
   switch (M - m) {
@@ -84,23 +124,28 @@ static void chunk(const float *x, const uint16_t *w, const float *bias, float *y
   }
 }
 
-/* x (M, K) fp32, w (N, K) 16-bit, bias (N) fp32 or NULL, y (M, N) fp32; all contiguous. Returns 0, or -1 for a
- * format it does not know. */
+/* x (M, K) fp32, w (N, K) 16-bit in ``layout``, bias (N) fp32 or NULL, y (M, N) fp32; all contiguous. Returns 0,
+ * or -1 for a format or layout it does not take. */
 int linear16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t K, int64_t N,
-             int format, int threads) {
-  if (format != BF16 && format != FP16) return -1;
+             int format, int layout, int threads) {
+  if ((format != BF16 && format != FP16) || (layout != PLAIN && layout != BLOCKED)) return -1;
+  if (layout == BLOCKED && ((K & 7) || (N & 7))) return -1;
   /* outputs per chunk: about 128 KiB of weights, so a chunk read by the first row group stays in L2 for the
-   * next ones (a multiple of 8, 8 to 64) */
+   * next ones (a multiple of 8, 8 to 64: whole blocks) */
   int64_t per = (128 * 1024) / (2 * (K > 0 ? K : 1));
   per = per < 8 ? 8 : (per > 64 ? 64 : per & ~(int64_t)7);
   const int64_t chunks = (N + per - 1) / per;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t c = 0; c < chunks; c++) {
     const int64_t n0 = c * per, n1 = n0 + per < N ? n0 + per : N;
-    if (format == FP16)
-      chunk(x, w, bias, y, M, K, N, n0, n1, FP16);
+    if (format == FP16 && layout == BLOCKED)
+      chunk(x, w, bias, y, M, K, N, n0, n1, FP16, BLOCKED);
+    else if (format == FP16)
+      chunk(x, w, bias, y, M, K, N, n0, n1, FP16, PLAIN);
+    else if (layout == BLOCKED)
+      chunk(x, w, bias, y, M, K, N, n0, n1, BF16, BLOCKED);
     else
-      chunk(x, w, bias, y, M, K, N, n0, n1, BF16);
+      chunk(x, w, bias, y, M, K, N, n0, n1, BF16, PLAIN);
   }
   return 0;
 }
