@@ -191,7 +191,12 @@ def convert(model: torch.nn.Module, dtype_name: str) -> int:
             if m.bias is not None:
                 m.bias = torch.nn.Parameter(m.bias.detach().float().contiguous(), requires_grad=False)
             m.forward = _forward(m)
-        _join_siblings(model)
+        # what stays fp32 (embeddings, norms, biases) may be views of the loaded file's memory map, which keep the
+        # whole map, and every page the conversion read, resident: own copies let it go (0.5B: RSS 3.9 -> 2.6 GiB)
+        for t in (*model.parameters(), *model.buffers()):
+            if t.dtype == torch.float32:
+                t.data = t.data.clone()
+        _join_siblings(model)  # after the copies: the joined biases' views stay views
     setattr(model, _ATTR, dtype_name)
     return len(linears)
 
