@@ -93,7 +93,8 @@ def quiet_loaders() -> None:
 @click.option("--db", default=None, help="SQLAlchemy URL of the store (default: embedded SQLite).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_CHOICES),
-              help="Weights' dtype; auto: bfloat16 where the CPU or GPU runs it natively, else float32.")
+              help="Weights' dtype; auto: bfloat16 where the CPU or GPU runs it natively, else fp16-weights "
+                   "(fp32 arithmetic over fp16-stored linear weights) on AVX2 CPUs, else float32.")
 @clean_errors
 def demo(model, policy, budget, window, max_new_tokens, db, as_json, dtype="auto") -> None:
     """Run a scripted multi-turn session: each question, its answer as it is decoded, and what the turn kept."""

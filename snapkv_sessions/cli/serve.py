@@ -36,7 +36,8 @@ def _api_keys(keys: tuple[str, ...], key_file: str | None) -> frozenset[str]:
 @click.option("--model", required=True, help="Model id, folder, GGUF or bundle (one model per process).")
 @click.option("--policy", default="default", show_default=True, help="Policy name or YAML path for new sessions.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_CHOICES),
-              help="Weights' dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32. "
+              help="Weights' dtype; auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp16-weights "
+                   "(fp32 arithmetic over fp16-stored linear weights) on AVX2 CPUs, else float32. "
                    "A session is bound to the dtype it ran in.")
 @click.option("--db", default=None, help="SQLAlchemy URL or SQLite path of the store (default: embedded SQLite).")
 @click.option("--redis", "redis_url", default=None, help="Redis URL for locks and hot state (several workers).")
