@@ -55,7 +55,7 @@ def available() -> bool:
 
 @functools.cache
 def _kernel():
-    """The built kernel's entry point, or None where it cannot run. Built once per source and compiler into the
+    """The built kernel (``linear16``, ``widen16``), or None where it cannot run. Built once per source and compiler into the
     model cache (about a second), then loaded."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
@@ -81,10 +81,11 @@ def _kernel():
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
-    fn = lib.linear16
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
-    fn.restype = ctypes.c_int
-    return fn
+    lib.linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
+    lib.linear16.restype = ctypes.c_int
+    lib.widen16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 3
+    lib.widen16.restype = ctypes.c_int
+    return lib
 
 
 PLAIN, BLOCKED = 0, 1  # the kernel's layouts: (N, K) rows, or blocks of 8 rows interleaved per 8 columns
@@ -112,13 +113,18 @@ def _shape(weight: torch.Tensor) -> tuple[int, int, int]:
     return int(weight.shape[0]) * 8, int(weight.shape[1]) * 8, BLOCKED
 
 
+def _lib():
+    lib = _kernel()
+    if lib is None:
+        raise ConfigError("dtype", "fp16-weights", "the 16-bit weights kernel does not run here (needs an AVX2 CPU "
+                                                   "and a C compiler)")
+    return lib
+
+
 def small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernel: x (M, K) fp32, weight (N, K) or :func:`blocked` fp16/bf16, bias (N,) fp32 or None -> (M, N)
     fp32. The layout changes where the kernel reads, never its arithmetic: both give the same bits."""
-    fn = _kernel()
-    if fn is None:
-        raise ConfigError("dtype", str(weight.dtype), "the 16-bit weights kernel does not run here (needs an "
-                                                       "AVX2 CPU and a C compiler)")
+    fn = _lib().linear16
     n, k, layout = _shape(weight)
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)  # (M, N)
@@ -131,6 +137,17 @@ def small(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return out
 
 
+def widened(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows ``lo:hi`` of a stored weight as plain fp32 (exact), in one pass of the kernel library: (hi - lo, K)."""
+    _, k, layout = _shape(weight)
+    out = torch.empty(hi - lo, k, dtype=torch.float32)  # (hi - lo, K)
+    code = _lib().widen16(weight.data_ptr(), out.data_ptr(), lo, hi, k, _CODES[weight.dtype], layout,
+                          torch.get_num_threads())
+    if code != 0:
+        raise ValueError(f"widen16 refused rows {lo}:{hi} of a weight of {tuple(weight.shape)} {weight.dtype}")
+    return out
+
+
 def large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A prefill's rows: torch's fp32 linear over the weight widened a block of outputs at a time (about
     :data:`WIDEN_BYTES`, so the widened block is still in cache when the matmul reads it).
@@ -138,12 +155,11 @@ def large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     n, k, _ = _shape(weight)
     block = max(WIDEN_MIN, WIDEN_BYTES // (4 * k)) // 8 * 8
     if n <= block:
-        return F.linear(x, plain(weight).float(), bias)  # (M, N)
+        return F.linear(x, widened(weight, 0, n), bias)  # (M, N)
     out = torch.empty(x.shape[0], n, dtype=torch.float32)  # (M, N)
     for lo in range(0, n, block):
         hi = min(lo + block, n)
-        rows = weight[lo:hi] if weight.dim() == 2 else plain(weight[lo // 8:-(-hi // 8)])  # (hi - lo, K)
-        out[:, lo:hi] = F.linear(x, rows.float(), None if bias is None else bias[lo:hi])  # (M, hi - lo)
+        out[:, lo:hi] = F.linear(x, widened(weight, lo, hi), None if bias is None else bias[lo:hi])  # (M, hi - lo)
     return out
 
 

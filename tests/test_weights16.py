@@ -73,6 +73,19 @@ def test_a_row_gets_the_same_bits_in_any_batch_layout_and_thread_count(name, n):
     assert torch.equal(alone, every)
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_widening_is_exact_in_both_layouts(name):
+    """What a prefill chunk's fp32 matmul reads: the stored rows widened, exactly, whatever the layout."""
+    _, w, _ = _operands(1, 40, 48, weights16.FORMATS[name])
+    for stored in (w, weights16.blocked(w)):
+        for lo, hi in ((0, 48), (8, 24), (40, 48)):
+            assert torch.equal(weights16.widened(stored, lo, hi), w[lo:hi].float())
+    _, odd, _ = _operands(1, 37, 13, weights16.FORMATS[name])  # plain only: K and N not multiples of 8
+    assert torch.equal(weights16.widened(odd, 3, 11), odd[3:11].float())
+    with pytest.raises(ValueError, match="widen16 refused"):
+        weights16.widened(weights16.blocked(w), 4, 12)  # a blocked weight widens whole blocks
+
+
 def _rounded(model: torch.nn.Module, fmt: torch.dtype) -> torch.nn.Module:
     """An fp32 model whose linear weights hold the 16-bit values: the reference for a converted model."""
     with torch.no_grad():

@@ -149,3 +149,23 @@ int linear16(const float *x, const uint16_t *w, const float *bias, float *y, int
   }
   return 0;
 }
+
+/* out (n1 - n0, K) fp32 = rows n0..n1 of w (N, K) 16-bit in ``layout``, widened exactly: what a prefill chunk's
+ * fp32 matmul reads, in one pass (n0 and n1 multiples of 8 for BLOCKED). Returns 0, or -1 as linear16 does. */
+int widen16(const uint16_t *w, float *out, int64_t n0, int64_t n1, int64_t K, int format, int layout, int threads) {
+  if ((format != BF16 && format != FP16) || (layout != PLAIN && layout != BLOCKED)) return -1;
+  if (layout == BLOCKED && ((K & 7) || (n0 & 7) || (n1 & 7))) return -1;
+  const int64_t K8 = K & ~(int64_t)7;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = n0; n < n1; n++) {
+    float *row = out + (n - n0) * K;
+    if (format == FP16) {
+      for (int64_t k = 0; k < K8; k += 8) _mm256_storeu_ps(row + k, widen(at(w, K, n, k, layout), FP16));
+      for (int64_t k = K8; k < K; k++) row[k] = widen1(w[n * K + k], FP16);
+    } else {
+      for (int64_t k = 0; k < K8; k += 8) _mm256_storeu_ps(row + k, widen(at(w, K, n, k, layout), BF16));
+      for (int64_t k = K8; k < K; k++) row[k] = widen1(w[n * K + k], BF16);
+    }
+  }
+  return 0;
+}
