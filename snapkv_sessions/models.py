@@ -311,10 +311,14 @@ class ModelSpec:
 
     @property
     def torch_dtype(self):
-        """The dtype of the activations and the KV cache (fp32 for 16-bit stored weights)."""
-        import torch
+        return torch_dtype(self.dtype)
 
-        return torch.float32 if self.dtype in STORED_16 else getattr(torch, self.dtype)
+
+def torch_dtype(dtype: str):
+    """The torch dtype of a session dtype's activations and KV cache (fp32 for 16-bit stored weights)."""
+    import torch
+
+    return torch.float32 if dtype in STORED_16 else getattr(torch, dtype)
 
 
 def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None):
@@ -326,7 +330,7 @@ def load_model(name: str | os.PathLike, *, device: str | None = None, dtype=None
     if isinstance(dtype, str) or dtype is None:
         resolved = resolve_dtype(dtype)
         stored_16 = resolved if resolved in STORED_16 else None
-        dtype = ModelSpec("model", resolved).torch_dtype
+        dtype = torch_dtype(resolved)
     path = resolve_model(name)
     try:  # local files only: a name that is not here fails at once instead of retrying a hub it cannot reach
         with progress.task(f"loading {name} ({stored_16 or str(dtype).removeprefix('torch.')})"):

@@ -22,6 +22,7 @@ into one weight for inputs of a decode step's size, where a check at load finds 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -82,6 +83,18 @@ def pack_linears(model: torch.nn.Module, rows: int = 8) -> int:
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+def sibling_sets(model: torch.nn.Module) -> Iterator[list[torch.nn.Linear]]:
+    """Each group of :data:`SIBLINGS` in ``model`` whose projections could run as one matmul: all ``nn.Linear``,
+    with one input size, weight dtype, weight layout (its number of dims) and bias or none."""
+    for module in model.modules():
+        for names in SIBLINGS:
+            parts = [getattr(module, n, None) for n in names]
+            if not all(isinstance(m, torch.nn.Linear) for m in parts):
+                continue
+            if len({(m.in_features, m.weight.dtype, m.weight.dim(), m.bias is None) for m in parts}) == 1:
+                yield parts
+
+
 class Fused:
     """Sibling projections packed as one weight: for an input of at most ``rows`` rows the first sibling runs the
     one matmul and leaves the others' slices for them, keyed by the input tensor itself (per thread)."""
@@ -114,25 +127,19 @@ def fuse_siblings(model: torch.nn.Module, rows: int = 8) -> int:
     projection's own bits: checked once per shape at load, rows 1 to ``rows``; larger inputs (a prefill) run
     them apart, as before. Returns the groups fused."""
     fused, checked = 0, {}
-    for module in model.modules():
-        for names in SIBLINGS:
-            parts = [getattr(module, n, None) for n in names]
-            if not all(isinstance(m, torch.nn.Linear) and hasattr(m, _PACKED) for m in parts):
-                continue
-            if getattr(parts[0], "_snapkv_fused", None) is not None:
-                continue
-            if len({(m.in_features, m.weight.dtype, m.bias is None) for m in parts}) != 1:
-                continue
-            group = Fused(parts, rows)
-            shape = (parts[0].in_features, parts[0].weight.dtype, tuple(group.splits), group.bias is None)
-            if shape not in checked:
-                checked[shape] = _same_bits(group, parts)
-            if not checked[shape]:
-                continue
-            for i, m in enumerate(parts):
-                m._snapkv_fused = group
-                m.forward = _fused_forward(m, group, i)
-            fused += 1
+    for parts in sibling_sets(model):
+        if not all(hasattr(m, _PACKED) for m in parts) or getattr(parts[0], "_snapkv_fused", None) is not None:
+            continue
+        group = Fused(parts, rows)
+        shape = (parts[0].in_features, parts[0].weight.dtype, tuple(group.splits), group.bias is None)
+        if shape not in checked:
+            checked[shape] = _same_bits(group, parts)
+        if not checked[shape]:
+            continue
+        for i, m in enumerate(parts):
+            m._snapkv_fused = group
+            m.forward = _fused_forward(m, group, i)
+        fused += 1
     return fused
 
 

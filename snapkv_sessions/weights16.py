@@ -236,25 +236,19 @@ class Joined:
 
 def _join_siblings(model: torch.nn.Module) -> None:
     """Lay each group of sibling projections' weights (and biases) out as one tensor (:class:`Joined`)."""
-    from .packed import SIBLINGS
+    from .packed import sibling_sets
 
-    for module in model.modules():
-        for names in SIBLINGS:
-            parts = [getattr(module, n, None) for n in names]
-            if not all(isinstance(m, torch.nn.Linear) for m in parts):
-                continue
-            if len({(m.in_features, m.weight.dtype, m.weight.dim(), m.bias is None) for m in parts}) != 1:
-                continue
-            weight = torch.cat([m.weight for m in parts])  # (sum of outs, in) or blocked: (sum of outs / 8, ...)
-            bias = None if parts[0].bias is None else torch.cat([m.bias for m in parts])  # (sum of outs,)
-            splits, lo = [int(m.out_features) for m in parts], 0
-            per = 1 if weight.dim() == 2 else 8  # outputs per leading index
-            for m, n in zip(parts, splits, strict=True):
-                m.weight = torch.nn.Parameter(weight[lo // per:(lo + n) // per], requires_grad=False)  # a view
-                if bias is not None:
-                    m.bias = torch.nn.Parameter(bias[lo:lo + n], requires_grad=False)
-                lo += n
-            parts[0]._snapkv_joined16 = Joined(weight, bias, splits)
+    for parts in sibling_sets(model):
+        weight = torch.cat([m.weight for m in parts])  # (sum of outs, in) or blocked: (sum of outs / 8, ...)
+        bias = None if parts[0].bias is None else torch.cat([m.bias for m in parts])  # (sum of outs,)
+        splits, lo = [int(m.out_features) for m in parts], 0
+        per = 1 if weight.dim() == 2 else 8  # outputs per leading index
+        for m, n in zip(parts, splits, strict=True):
+            m.weight = torch.nn.Parameter(weight[lo // per:(lo + n) // per], requires_grad=False)  # a view
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[lo:lo + n], requires_grad=False)
+            lo += n
+        parts[0]._snapkv_joined16 = Joined(weight, bias, splits)
 
 
 def sibling_group(module: torch.nn.Linear) -> Joined | None:

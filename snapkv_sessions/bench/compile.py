@@ -100,10 +100,11 @@ def measure(model, name: str, rows: Sequence[int], context: int, steps: int, bac
 
 def run(model: str, rows: Sequence[int], context: int, steps: int, dtype: str | None = None,
         backend: str = "inductor") -> CompileResult:
-    from ..models import bf16_fast, load_model
+    from ..models import STORED_16, load_model, resolve_dtype
 
-    if dtype in (None, "auto"):  # a torch dtype: torch.compile does not trace the 16-bit weights' C kernel
-        dtype = "bfloat16" if bf16_fast() else "float32"
+    dtype = resolve_dtype(dtype)
+    if dtype in STORED_16:  # a torch dtype: torch.compile does not trace the 16-bit weights' C kernel
+        dtype = "float32"
     loaded, _ = load_model(model, dtype=dtype)
     return measure(loaded, model, rows, context, steps, backend)
 
