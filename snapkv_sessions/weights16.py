@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .models import STORED_16
 
-FORMATS = {"fp16-weights": torch.float16, "bf16-weights": torch.bfloat16}  # dtype name -> how a weight is stored
+FORMATS = dict(zip(STORED_16, (torch.float16, torch.bfloat16), strict=True))  # dtype name -> how a weight is stored
 _CODES = {torch.bfloat16: 0, torch.float16: 1}  # the kernel's format argument
 SMALL_ROWS = 32  # inputs of at most this many rows run the kernel (a batched decode step of up to 32 slots)
 WIDEN_BYTES = 4 << 20  # a larger input widens about this many bytes of fp32 weight at a time (stays in cache)
